@@ -1,0 +1,101 @@
+"""``lins-ds`` command line. Subcommands import only what they need (``plan`` never imports torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in name (llama-7b, llama-13b, ...) or a HF config.json")
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes M")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node L")
+    p.add_argument("--gpu-memory-gb", type=float, help="memory per GPU in GiB (default: the cluster's)")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batch-size", type=int, required=True)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    ck = p.add_mutually_exclusive_group()
+    ck.add_argument("--activation-checkpointing", dest="ckpt", action="store_true", default=None)
+    ck.add_argument("--no-activation-checkpointing", dest="ckpt", action="store_false")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--cluster", help="built-in synthetic cluster (default a800-ib)")
+    src.add_argument("--profile", help="profile table JSON written by lins-ds profile")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="parameter dtype")
+    p.add_argument("--grad-accum-dtype", choices=["bf16", "fp16", "fp32"], help="gradient accumulation dtype (default fp32)")
+    p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient communication dtype (default: --dtype)")
+    p.add_argument("--reserved-gb", type=float, default=2.0, help="CUDA context + communicator buffers, GiB")
+    p.add_argument("--fragmentation", type=float, default=0.05, help="allocator margin, fraction")
+    p.add_argument("--format", default="table", choices=["table", "json"])
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from . import plan as P
+    from .plan import cost, report
+
+    topo = P.Topology(args.nodes, args.gpus_per_node)
+    model = P.load_model(args.model)
+    if args.profile:
+        table = P.ProfileTable.load(args.profile)
+        compute = P.ComputeSpec(float(table.meta.get("peak_tflops", 312.0)),
+                                float(table.meta.get("achievable_mfu", 0.5)))
+        capacity = args.gpu_memory_gb or table.meta.get("gpu_memory_gb")
+    else:
+        cluster = P.get_cluster(args.cluster or "a800-ib")
+        table = cluster.table(cost.required_meshes(topo, P.candidates(topo)))
+        compute = P.ComputeSpec(cluster.peak_tflops, cluster.achievable_mfu)
+        capacity = args.gpu_memory_gb if args.gpu_memory_gb is not None else cluster.gpu_memory_gb
+    if capacity is None:
+        raise P.PlanError("--gpu-memory-gb: required when the profile does not record the GPU memory")
+    train = P.TrainingSpec(args.seq_len, args.micro_batch_size, args.grad_accum, args.dtype,
+                           args.grad_accum_dtype, args.grad_reduce_dtype, activation_checkpointing=args.ckpt)
+    mem = P.MemorySpec(capacity, args.reserved_gb, args.fragmentation)
+    try:
+        sol = P.solve(model, topo, train, mem, table, compute)
+    except P.NoFeasiblePlan as e:
+        if args.format == "json":
+            print(json.dumps({"error": str(e), "smallest_plan": e.smallest.layout.to_json(),
+                              "smallest_memory_gb": round(e.smallest.memory.total_gb, 4),
+                              "lacking_gb": round(e.smallest.memory.total_gb - e.capacity_gb, 4)}))
+        print(f"lins-ds plan: {e}", file=sys.stderr)
+        return 2
+    sol.inputs.update(model=model.name, params=model.total_params(), nodes=topo.nodes,
+                      gpus_per_node=topo.gpus_per_node, gpu_memory_gb=capacity, seq_len=train.seq_len,
+                      micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum, dtype=train.param_dtype)
+    if args.format == "json":
+        print(json.dumps(report.to_json(sol), indent=1))
+    else:
+        print(report.to_table(sol))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lins-ds", description="Lins: independent P/G/OS sharding for DeepSpeed")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("plan", help="choose P/G/OS sharding factors for a model and cluster")
+    _add_plan_args(p)
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .plan import PlanError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PlanError as e:
+        print(f"lins-ds {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The collectives one optimizer step issues under a layout, and their predicted time (DESIGN §3).
+
+This list is the executor's schedule written down; the runtime's collective recorder is tested
+against it, so a change to either must change both. Per step of K micro-batches, per unit u of
+n_u elements (the root unit first, then each decoder layer):
+
+    P  (s_p > 1)     AllGather  n_u·p_bytes over the P group: forward, K times; backward re-gather,
+                     K times for decoder layers (the root unit stays gathered through backward)
+    G  (s_g > 1)     ReduceScatter n_u·r_bytes over the G group, K times
+    G  (N/s_g > 1)   AllReduce  n_u·r_bytes/s_g over the G replica group, once (accumulation boundary)
+(r_bytes: the gradient reduce dtype, by default the parameter dtype; accumulation may be wider.)
+    OS (s_os > s_p)  AllGather  n_u·p_bytes/s_p over the P-sync group, once (after the optimizer)
+    scalars          AllReduce of the squared grad norm (clipping) and of the overflow flag (fp16)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import group_mesh
+from .model import ModelSpec
+from .profile_table import ProfileTable
+from .spec import TrainingSpec
+from .topology import Factor, Layout, Topology
+
+
+@dataclass(frozen=True)
+class Collective:
+    state: str  # "p", "g", "os" or "scalar"
+    phase: str  # "forward", "backward", "boundary", "param_sync"
+    op: str
+    group: str  # a layout group kind, or "world"
+    mesh: Factor
+    nbytes: int  # per call
+    calls: int  # per optimizer step
+    seconds: float = 0.0  # per call, from the profile
+
+    @property
+    def total_s(self) -> float:
+        return self.calls * self.seconds
+
+    def to_json(self) -> dict:
+        return {"state": self.state, "phase": self.phase, "op": self.op, "group": self.group,
+                "mesh": self.mesh.to_json(), "bytes": self.nbytes, "calls": self.calls,
+                "seconds_per_call": self.seconds, "seconds": self.total_s}
+
+
+def schedule(topo: Topology, layout: Layout, model: ModelSpec, train: TrainingSpec) -> list[Collective]:
+    """The collectives of one step, untimed (``seconds`` = 0). Units of equal size are merged."""
+    s_p, s_g, s_os = layout.sharding()
+    K, pb, rb = train.grad_accum, train.param_bytes, train.reduce_bytes
+    world = Factor(topo.gpus_per_node, topo.nodes)
+    layers: dict[int, int] = {}  # decoder-layer numel -> number of such layers
+    for n in model.unit_params()[1:]:
+        layers[n] = layers.get(n, 0) + 1
+    units = [(model.unit_params()[0], 1, True)] + [(n, c, False) for n, c in sorted(layers.items())]
+
+    out: list[Collective] = []
+
+    def add(state, phase, op, group, nbytes, calls):
+        mesh = world if group == "world" else group_mesh(topo, layout, group)
+        if mesh.size > 1 and calls > 0 and nbytes > 0:
+            out.append(Collective(state, phase, op, group, mesh, int(nbytes), int(calls)))
+
+    for n, count, is_root in units:
+        if s_p > 1:
+            add("p", "forward", "all_gather", "p", n * pb, K * count)
+            if not is_root:
+                add("p", "backward", "all_gather", "p", n * pb, K * count)
+        if s_g > 1:
+            add("g", "backward", "reduce_scatter", "g", n * rb, K * count)
+        add("g", "boundary", "all_reduce", "g_replica", n * rb // s_g, count)
+        if s_os > s_p:
+            add("os", "param_sync", "all_gather", "p_sync", n * pb // s_p, count)
+    if train.gradient_clipping:
+        add("scalar", "boundary", "all_reduce", "world", 4, 1)
+    if train.param_dtype == "fp16":
+        add("scalar", "boundary", "all_reduce", "world", 4, 1)
+    return out
+
+
+def timed(collectives: list[Collective], table: ProfileTable) -> list[Collective]:
+    return [Collective(c.state, c.phase, c.op, c.group, c.mesh, c.nbytes, c.calls,
+                       table.time(c.op, c.nbytes, c.mesh)) for c in collectives]
+
+
+def per_state(collectives: list[Collective]) -> dict[str, float]:
+    """Predicted seconds per step for T_p, T_g, T_os (and scalars)."""
+    out = {"p": 0.0, "g": 0.0, "os": 0.0, "scalar": 0.0}
+    for c in collectives:
+        out[c.state] += c.total_s
+    return out
+
+
+def required_meshes(topo: Topology, layouts) -> set[Factor]:
+    """Every mesh some layout's collectives run on: what a profile must cover."""
+    meshes = {Factor(topo.gpus_per_node, topo.nodes)}
+    for layout in layouts:
+        meshes.update(group_mesh(topo, layout, kind) for kind in ("p", "g", "g_replica", "p_sync"))
+    return {m for m in meshes if m.size > 1}

@@ -1,0 +1,96 @@
+"""Human and JSON renderings of a Solution."""
+
+from __future__ import annotations
+
+from .cost import per_state
+from .memory import TERMS
+from .solver import Evaluation, Solution
+
+STATE_NAMES = {"p": "P (parameters)", "g": "G (gradients)", "os": "OS (optimizer)", "scalar": "scalars"}
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:9.2f} ms"
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def explain_loss(winner: Evaluation, other: Evaluation) -> str:
+    """Why ``other`` lost to ``winner``: the terms where it is slower."""
+    w, o = per_state(list(winner.collectives)), per_state(list(other.collectives))
+    parts = [f"T_{k} {1e3 * (o[k] - w[k]):+.2f} ms" for k in ("p", "g", "os") if abs(o[k] - w[k]) > 1e-9]
+    if other.recompute_s != winner.recompute_s:
+        parts.append(f"recompute {1e3 * (other.recompute_s - winner.recompute_s):+.2f} ms")
+    delta = other.objective_s - winner.objective_s
+    return f"{1e3 * delta:+.2f} ms per step" + (f" ({', '.join(parts)})" if parts else " (tie, more sharded)")
+
+
+def describe(e: Evaluation) -> str:
+    return f"{e.layout}{', activation checkpointing' if e.checkpointing else ''}"
+
+
+def to_json(sol: Solution) -> dict:
+    best = sol.best
+    return {
+        "plan": best.layout.to_json(),
+        "activation_checkpointing": best.checkpointing,
+        "memory_gb_per_gpu": round(best.memory.total_gb, 4),
+        "memory_breakdown_gb": best.memory.to_json(),
+        "headroom_gb": round(best.capacity_gb - best.memory.total_gb, 4),
+        "predicted_comm_s_per_step": best.comm_s,
+        "predicted_recompute_s_per_step": best.recompute_s,
+        "predicted_s_per_state": per_state(list(best.collectives)),
+        "collectives": [c.to_json() for c in best.collectives],
+        "candidates_considered": sol.considered,
+        "feasible": sol.feasible,
+        "solve_time_s": sol.elapsed_s,
+        "runner_up": None if sol.runner_up is None else {
+            "plan": sol.runner_up.layout.to_json(), "activation_checkpointing": sol.runner_up.checkpointing,
+            "predicted_comm_s_per_step": sol.runner_up.comm_s, "why_lost": explain_loss(best, sol.runner_up)},
+        "fastest_infeasible": None if sol.fastest_infeasible is None else {
+            "plan": sol.fastest_infeasible.layout.to_json(),
+            "memory_gb_per_gpu": round(sol.fastest_infeasible.memory.total_gb, 4)},
+        "profile": sol.plan.profile_source,
+        "plan_record": sol.plan.to_json(),
+        "inputs": sol.inputs,
+    }
+
+
+def to_table(sol: Solution) -> str:
+    best, plan = sol.best, sol.plan
+    topo = plan.topology
+    lines = [
+        f"Lins plan for {plan.model} on {topo.nodes} node(s) x {topo.gpus_per_node} GPU(s) "
+        f"(profile: {plan.profile_source})",
+        f"  activation checkpointing: {'on' if best.checkpointing else 'off'}"
+        + (f" (recompute {_ms(best.recompute_s).strip()} per step)" if best.checkpointing else ""),
+        "",
+        f"  {'state':<16}{'mesh intra x inter':>20}{'bytes/GPU':>14}{'predicted/step':>18}",
+    ]
+    times = per_state(list(best.collectives))
+    terms = {"p": "params", "g": "grads", "os": "optimizer"}
+    for s, f in best.layout.factors().items():
+        lines.append(f"  {STATE_NAMES[s]:<16}{str(f) + f' (s={f.size})':>20}"
+                     f"{best.memory.terms[terms[s]]:>10.2f} GiB{_ms(times[s]):>18}")
+    lines += ["", "  collectives per step:"]
+    for c in best.collectives:
+        lines.append(f"    {c.state:<6} {c.phase:<10} {c.op:<14} group {c.group:<9} mesh {str(c.mesh):<6} "
+                     f"{_gib(c.nbytes):>11} x {c.calls:<4} {_ms(c.total_s)}")
+    if not best.collectives:
+        lines.append("    none (a single rank)")
+    lines += ["", f"  predicted communication: {_ms(best.comm_s).strip()} per step", "", "  memory per GPU:"]
+    for k in TERMS:
+        lines.append(f"    {k:<14}{best.memory.terms[k]:8.2f} GiB")
+    lines.append(f"    {'total':<14}{best.memory.total_gb:8.2f} GiB of {best.capacity_gb:g} GiB "
+                 f"(headroom {best.capacity_gb - best.memory.total_gb:.2f} GiB)")
+    lines.append("")
+    if sol.runner_up is not None:
+        lines.append(f"  runner-up: {describe(sol.runner_up)}: {explain_loss(best, sol.runner_up)}")
+    if sol.fastest_infeasible is not None:
+        e = sol.fastest_infeasible
+        lines.append(f"  faster but does not fit: {describe(e)} needs {e.memory.total_gb:.2f} GiB "
+                     f"({e.objective_s * 1e3:.2f} ms per step)")
+    lines.append(f"  searched {sol.considered} candidates, {sol.feasible} fit; solved in {sol.elapsed_s * 1e3:.1f} ms")
+    return "\n".join(lines)

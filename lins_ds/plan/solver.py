@@ -1,0 +1,159 @@
+"""Solver: the fastest layout that fits (DESIGN §4). Enumerate every valid layout — a few hundred even
+at 1024 GPUs — and, unless the user fixed it, activation checkpointing on and off; drop what does not
+fit in memory; minimise predicted communication plus recompute time. Deterministic: ties go to the
+less sharded layout, then to the smaller layout in sort order, so every rank picks the same plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import cost
+from .memory import MemoryBreakdown, memory
+from .model import ModelSpec
+from .profile_table import ProfileTable
+from .spec import MemorySpec, TrainingSpec
+from .topology import Factor, Layout, PlanError, Topology, candidates, check_layout
+
+
+class NoFeasiblePlan(PlanError):
+    def __init__(self, message: str, smallest: "Evaluation", capacity_gb: float):
+        super().__init__(message)
+        self.smallest = smallest
+        self.capacity_gb = capacity_gb
+
+
+@dataclass(frozen=True)
+class ComputeSpec:
+    """How fast the GPU computes, to price the recompute of activation checkpointing."""
+
+    peak_tflops: float = 312.0
+    achievable_mfu: float = 0.5
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_tflops * 1e12 * self.achievable_mfu
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    layout: Layout
+    checkpointing: bool
+    memory: MemoryBreakdown
+    collectives: tuple
+    recompute_s: float
+    capacity_gb: float
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.total_s for c in self.collectives)
+
+    @property
+    def objective_s(self) -> float:
+        return self.comm_s + self.recompute_s
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_gb <= self.capacity_gb
+
+    def sort_key(self) -> tuple:
+        s_p, s_g, s_os = self.layout.sharding()
+        return (self.objective_s, s_os * s_g * s_p, s_p, s_g, s_os, self.layout, self.checkpointing)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the runtime executes. Pure data: JSON round-trips, and every rank must hold the same one."""
+
+    topology: Topology
+    layout: Layout
+    activation_checkpointing: bool
+    param_dtype: str = "bf16"
+    grad_dtype: str = "fp32"
+    model: str = ""
+    profile_source: str = ""
+    predicted_comm_s: float = 0.0
+    memory_gb: float = 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "nodes": self.topology.nodes, "gpus_per_node": self.topology.gpus_per_node,
+            **self.layout.to_json(), "activation_checkpointing": self.activation_checkpointing,
+            "param_dtype": self.param_dtype, "grad_dtype": self.grad_dtype, "model": self.model,
+            "profile_source": self.profile_source, "predicted_comm_s": self.predicted_comm_s,
+            "memory_gb": self.memory_gb,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Plan":
+        f = {s: Factor(int(obj[s]["intra"]), int(obj[s]["inter"])) for s in ("p", "g", "os")}
+        topo = Topology(int(obj["nodes"]), int(obj["gpus_per_node"]))
+        layout = Layout(f["p"], f["g"], f["os"])
+        check_layout(topo, layout)
+        return cls(topo, layout, bool(obj["activation_checkpointing"]), obj["param_dtype"], obj["grad_dtype"],
+                   obj.get("model", ""), obj.get("profile_source", ""), float(obj.get("predicted_comm_s", 0)),
+                   float(obj.get("memory_gb", 0)))
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Solution:
+    plan: Plan
+    best: Evaluation
+    runner_up: Optional[Evaluation]
+    fastest_infeasible: Optional[Evaluation]  # faster than the best but did not fit
+    considered: int
+    feasible: int
+    elapsed_s: float
+    inputs: dict = field(default_factory=dict)
+
+
+def evaluate(topo: Topology, layout: Layout, checkpointing: bool, model: ModelSpec, train: TrainingSpec,
+             mem: MemorySpec, table: ProfileTable, compute: ComputeSpec) -> Evaluation:
+    colls = tuple(cost.timed(cost.schedule(topo, layout, model, train), table))
+    recompute = 0.0
+    if checkpointing:  # one extra forward per micro-batch: a third of the training FLOPs
+        tokens = train.tokens_per_micro_batch * train.grad_accum
+        recompute = tokens * model.flops_per_token(train.seq_len) / 3 / compute.flops_per_s
+    return Evaluation(layout, checkpointing, memory(model, train, mem, layout, checkpointing), colls,
+                      recompute, mem.capacity_gb)
+
+
+def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
+    missing = sorted(m for m in cost.required_meshes(topo, layouts)
+                     if not all(table.has(op, m) for op in ("all_gather", "reduce_scatter", "all_reduce")))
+    if missing:
+        raise PlanError(f"profile {table.source} lacks meshes {', '.join(map(str, missing))} "
+                        f"needed for {topo.nodes} nodes x {topo.gpus_per_node} GPUs; re-run lins-ds profile")
+
+
+def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
+          compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None) -> Solution:
+    """The fastest fitting plan; raises NoFeasiblePlan naming the smallest plan and its deficit."""
+    t0 = time.perf_counter()
+    layouts = candidates(topo) if layouts is None else layouts
+    check_profile_covers(topo, layouts, table)
+    ckpt_options = [train.activation_checkpointing] if train.activation_checkpointing is not None else [False, True]
+    evals = [evaluate(topo, lay, ck, model, train, mem, table, compute) for lay in layouts for ck in ckpt_options]
+    fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
+    if not fitting:
+        smallest = min(evals, key=lambda e: (e.memory.total_gb, e.sort_key()))
+        lack = smallest.memory.total_gb - mem.capacity_gb
+        raise NoFeasiblePlan(
+            f"no plan fits in {mem.capacity_gb:g} GiB per GPU: the smallest, {smallest.layout}"
+            f"{' with activation checkpointing' if smallest.checkpointing else ''}, needs "
+            f"{smallest.memory.total_gb:.2f} GiB ({lack:.2f} GiB more than available)",
+            smallest, mem.capacity_gb)
+    best = fitting[0]
+    faster = [e for e in evals if not e.fits and e.objective_s < best.objective_s]
+    plan = Plan(topo, best.layout, best.checkpointing, train.param_dtype,
+                train.grad_accum_dtype or "fp32", model.name, table.source, best.comm_s, best.memory.total_gb)
+    return Solution(plan, best, fitting[1] if len(fitting) > 1 else None,
+                    min(faster, key=Evaluation.sort_key) if faster else None,
+                    len(evals), len(fitting), time.perf_counter() - t0)

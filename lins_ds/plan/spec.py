@@ -1,0 +1,81 @@
+"""What the planner is told about training: shapes, dtypes, optimizer, memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .topology import PlanError
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8}  # exp_avg + exp_avg_sq in fp32
+GIB = 2**30
+
+
+def _positive_int(key: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{key}: {value!r} is not a positive integer")
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    seq_len: int
+    micro_batch_size: int
+    grad_accum: int = 1
+    param_dtype: str = "bf16"
+    grad_accum_dtype: Optional[str] = None  # None: fp32 (DeepSpeed's default for bf16/fp16)
+    grad_reduce_dtype: Optional[str] = None  # None: the parameter dtype (as FSDP; the paper's 2-byte grads)
+    optimizer: str = "adamw"
+    activation_checkpointing: Optional[bool] = None  # None: the planner chooses
+    gradient_clipping: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("--seq-len", self.seq_len)
+        _positive_int("--micro-batch-size", self.micro_batch_size)
+        _positive_int("--grad-accum", self.grad_accum)
+        for key, value in (("param_dtype", self.param_dtype), ("grad_accum_dtype", self.grad_accum_dtype),
+                           ("grad_reduce_dtype", self.grad_reduce_dtype)):
+            if value is not None and value not in DTYPE_BYTES:
+                raise PlanError(f"{key}: {value!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise PlanError(f"optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZER_STATE_BYTES)}")
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element as accumulated (the G shard)."""
+        return DTYPE_BYTES[self.grad_accum_dtype or "fp32"]
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per gradient element on the wire (ReduceScatter and AllReduce)."""
+        return DTYPE_BYTES[self.grad_reduce_dtype or self.param_dtype]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes per element of the OS shard: fp32 master (unless params are fp32) + Adam moments."""
+        master = 4 if self.param_dtype != "fp32" else 0
+        return master + OPTIMIZER_STATE_BYTES[self.optimizer]
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """Per-GPU budget. ``reserved_gb``: CUDA context and communicator buffers, outside the allocator.
+    ``fragmentation``: allocator margin as a fraction of what the allocator holds."""
+
+    capacity_gb: float
+    reserved_gb: float = 2.0
+    fragmentation: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity_gb, (int, float)) or not self.capacity_gb > 0:
+            raise PlanError(f"--gpu-memory-gb: {self.capacity_gb!r} must be a positive number of GiB")
+        if self.reserved_gb < 0 or not 0 <= self.fragmentation < 1:
+            raise PlanError("memory: reserved_gb must be >= 0 and fragmentation in [0, 1)")

@@ -1,0 +1,74 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lins_ds.cli import main
+
+PAPER = ["--cluster", "a800-ib", "--nodes", "128", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
+         "--seq-len", "4096", "--micro-batch-size", "1", "--grad-accum", "1"]
+
+
+def test_json_output_has_the_contract_keys(capsys):
+    assert main(["plan", "--model", "llama-7b", *PAPER, "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"] == {"p": {"intra": 1, "inter": 1}, "g": {"intra": 1, "inter": 1},
+                           "os": {"intra": 8, "inter": 1}}
+    for key in ("memory_gb_per_gpu", "predicted_comm_s_per_step", "candidates_considered", "feasible"):
+        assert key in out
+    assert 0 < out["memory_gb_per_gpu"] <= 80 and out["feasible"] <= out["candidates_considered"]
+
+
+def test_table_output_explains_the_choice(capsys):
+    assert main(["plan", "--model", "llama-13b", *PAPER]) == 0
+    out = capsys.readouterr().out
+    for text in ("P (parameters)", "memory per GPU", "headroom", "runner-up", "solved in"):
+        assert text in out
+
+
+def test_infeasible_exits_2_naming_smallest_plan(capsys):
+    code = main(["plan", "--model", "llama-30b", "--nodes", "1", "--gpus-per-node", "2", "--gpu-memory-gb", "40",
+                 "--seq-len", "4096", "--micro-batch-size", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "smallest" in err and "P=2x1 G=2x1 OS=2x1" in err and "GiB more" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "llama-99b"], "not a built-in model"),
+    (["--model", "llama-7b", "--gpu-memory-gb", "-3"], "--gpu-memory-gb"),
+    (["--model", "llama-7b", "--nodes", "0"], "nodes: 0 is not a positive integer"),
+    (["--model", "llama-7b", "--cluster", "tpu"], "unknown cluster"),
+    (["--model", "llama-7b", "--seq-len", "x"], "invalid int value"),
+])
+def test_bad_arguments_one_line_exit_2(args, needle):
+    base = {"--nodes": "2", "--gpus-per-node": "4", "--gpu-memory-gb": "80", "--seq-len": "2048",
+            "--micro-batch-size": "1"}
+    for k, v in zip(args[::2], args[1::2]):
+        base[k] = v
+    argv = [sys.executable, "-m", "lins_ds.cli", "plan"] + [x for kv in base.items() for x in kv]
+    if "--model" not in base:
+        argv += ["--model", "llama-7b"]
+    r = subprocess.run(argv, capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_plan_does_not_import_torch():
+    code = ("import sys, lins_ds.plan, lins_ds.cli; from lins_ds.cli import main; "
+            "main(['plan','--model','llama-7b','--nodes','2','--gpus-per-node','8','--seq-len','1024',"
+            "'--micro-batch-size','1','--format','json']); "
+            "assert 'torch' not in sys.modules, 'lins_ds.plan imported torch'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_hf_config_json_model(tmp_path, capsys):
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+           "vocab_size": 100, "num_attention_heads": 4, "num_key_value_heads": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(path), "--nodes", "2", "--gpus-per-node", "2", "--gpu-memory-gb", "8",
+                 "--seq-len", "128", "--micro-batch-size", "1", "--cluster", "h200-emulated", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["params"] > 0

@@ -1,0 +1,38 @@
+import pytest
+
+from lins_ds.plan import BUILTIN_MODELS, PlanError
+from lins_ds.plan.model import from_hf_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def _count(model, prefix):
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefix))
+
+
+@pytest.mark.parametrize("kv_heads,tied", [(4, False), (2, True)])
+def test_llama_counts_match_transformers(kv_heads, tied):
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=3, vocab_size=101,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(cfg)
+    spec = from_hf_config(cfg.to_dict(), "tiny")
+    assert spec.layer_params() == _count(model, "model.layers.0.")
+    assert spec.total_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_gpt2_counts_match_transformers():
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=99, n_positions=128)
+    model = transformers.GPT2LMHeadModel(cfg)
+    spec = from_hf_config(cfg.to_dict(), "tiny-gpt2")
+    assert spec.layer_params() == _count(model, "transformer.h.0.")
+    assert spec.total_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_llama_7b_has_6_7b_params():
+    assert 6.7e9 < BUILTIN_MODELS["llama-7b"].total_params() < 6.8e9
+    assert 32.4e9 < BUILTIN_MODELS["llama-30b"].total_params() < 32.6e9
+
+
+def test_unsupported_model_type_is_named():
+    with pytest.raises(PlanError, match="model_type 'bert' is not supported"):
+        from_hf_config({"model_type": "bert"}, "x")
