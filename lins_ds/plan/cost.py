@@ -10,7 +10,7 @@ n_u elements (the root unit first, then each decoder layer):
     G  (N/s_g > 1)   AllReduce  n_u·r_bytes/s_g over the G replica group, once (accumulation boundary)
 (r_bytes: the gradient reduce dtype, by default the parameter dtype; accumulation may be wider.)
     OS (s_os > s_p)  AllGather  n_u·p_bytes/s_p over the P-sync group, once (after the optimizer)
-    scalars          AllReduce of the squared grad norm (clipping) and of the overflow flag (fp16)
+    scalar           AllReduce of the squared gradient norm (clipping, logging, fp16 overflow), once
 """
 
 from __future__ import annotations
@@ -45,15 +45,21 @@ class Collective:
                 "seconds_per_call": self.seconds, "seconds": self.total_s}
 
 
-def schedule(topo: Topology, layout: Layout, model: ModelSpec, train: TrainingSpec) -> list[Collective]:
-    """The collectives of one step, untimed (``seconds`` = 0). Units of equal size are merged."""
+def model_units(model: ModelSpec) -> list[tuple[int, bool]]:
+    """(numel, is_root) per unit: the root unit, then each decoder layer."""
+    params = model.unit_params()
+    return [(params[0], True)] + [(n, False) for n in params[1:]]
+
+
+def schedule(topo: Topology, layout: Layout, units: list, train: TrainingSpec) -> list[Collective]:
+    """The collectives of one step for units [(numel, is_root)], untimed. Equal units are merged."""
     s_p, s_g, s_os = layout.sharding()
     K, pb, rb = train.grad_accum, train.param_bytes, train.reduce_bytes
     world = Factor(topo.gpus_per_node, topo.nodes)
-    layers: dict[int, int] = {}  # decoder-layer numel -> number of such layers
-    for n in model.unit_params()[1:]:
-        layers[n] = layers.get(n, 0) + 1
-    units = [(model.unit_params()[0], 1, True)] + [(n, c, False) for n, c in sorted(layers.items())]
+    merged: dict[tuple, int] = {}
+    for n, is_root in units:
+        merged[(n, is_root)] = merged.get((n, is_root), 0) + 1
+    units = [(n, c, r) for (n, r), c in sorted(merged.items(), key=lambda kv: (not kv[0][1], kv[0][0]))]
 
     out: list[Collective] = []
 
@@ -72,10 +78,7 @@ def schedule(topo: Topology, layout: Layout, model: ModelSpec, train: TrainingSp
         add("g", "boundary", "all_reduce", "g_replica", n * rb // s_g, count)
         if s_os > s_p:
             add("os", "param_sync", "all_gather", "p_sync", n * pb // s_p, count)
-    if train.gradient_clipping:
-        add("scalar", "boundary", "all_reduce", "world", 4, 1)
-    if train.param_dtype == "fp16":
-        add("scalar", "boundary", "all_reduce", "world", 4, 1)
+    add("scalar", "boundary", "all_reduce", "world", 4, 1)  # squared grad norm; an fp16 overflow shows as inf
     return out
 
 

@@ -116,7 +116,7 @@ class Solution:
 
 def evaluate(topo: Topology, layout: Layout, checkpointing: bool, model: ModelSpec, train: TrainingSpec,
              mem: MemorySpec, table: ProfileTable, compute: ComputeSpec) -> Evaluation:
-    colls = tuple(cost.timed(cost.schedule(topo, layout, model, train), table))
+    colls = tuple(cost.timed(cost.schedule(topo, layout, cost.model_units(model), train), table))
     recompute = 0.0
     if checkpointing:  # one extra forward per micro-batch: a third of the training FLOPs
         tokens = train.tokens_per_micro_batch * train.grad_accum

@@ -27,7 +27,6 @@ class TrainingSpec:
     grad_reduce_dtype: Optional[str] = None  # None: the parameter dtype (as FSDP; the paper's 2-byte grads)
     optimizer: str = "adamw"
     activation_checkpointing: Optional[bool] = None  # None: the planner chooses
-    gradient_clipping: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("--seq-len", self.seq_len)

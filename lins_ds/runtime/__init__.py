@@ -1,0 +1,1 @@
+"""Lins runtime: process groups, flat unit buffers, hooks, sharded optimizer, LinsEngine (needs torch)."""

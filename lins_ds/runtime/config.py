@@ -1,0 +1,136 @@
+"""The ``"lins"`` block of a DeepSpeed config, parsed once into typed objects (no torch here).
+
+DeepSpeed ignores unknown top-level keys, so this block is validated here, strictly: every error
+names the key, the value and the rule, and is raised on every rank before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..plan import Factor, Layout, PlanError, Topology, check_layout
+from ..plan.clusters import CLUSTERS
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class LinsConfigError(PlanError):
+    pass
+
+
+@dataclass(frozen=True)
+class LinsConfig:
+    enabled: bool = True
+    gpus_per_node: Optional[int] = None
+    plan: object = "solve"  # "solve" or a Layout
+    activation_checkpointing: Optional[bool] = None
+    gpu_memory_gb: Optional[float] = None
+    seq_len: Optional[int] = None
+    model: Optional[str] = None
+    cluster: str = "h200-emulated"
+    grad_reduce_dtype: Optional[str] = None
+    unit_modules: Optional[tuple] = None
+
+    @property
+    def solve(self) -> bool:
+        return self.plan == "solve"
+
+    def topology(self, world_size: int, local_world_size: int) -> Topology:
+        """Nodes x GPUs per node for this launch; raises LinsConfigError on a mismatch."""
+        L = self.gpus_per_node or local_world_size
+        if world_size % L:
+            raise LinsConfigError(f"lins.gpus_per_node: {L} does not divide the world size {world_size}")
+        topo = Topology(world_size // L, L)
+        if isinstance(self.plan, Layout):
+            check_layout(topo, self.plan)
+        return topo
+
+
+def _check_type(key: str, value, types, what: str, nullable: bool = True):
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) and bool not in types:
+        raise LinsConfigError(f"lins.{key}: {value!r} is not {what}")
+    if not isinstance(value, types):
+        raise LinsConfigError(f"lins.{key}: {value!r} is not {what}")
+
+
+def _parse_plan(value) -> object:
+    if value == "solve":
+        return value
+    if not isinstance(value, dict):
+        raise LinsConfigError(f"lins.plan: {value!r} is neither \"solve\" nor "
+                              "{\"p\": [intra, inter], \"g\": [...], \"os\": [...]}")
+    extra = set(value) - {"p", "g", "os"}
+    missing = {"p", "g", "os"} - set(value)
+    if extra or missing:
+        raise LinsConfigError(f"lins.plan: keys must be exactly p, g, os (unknown: {sorted(extra)}, "
+                              f"missing: {sorted(missing)})")
+    factors = {}
+    for s in ("p", "g", "os"):
+        f = value[s]
+        if (not isinstance(f, (list, tuple)) or len(f) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in f)):
+            raise LinsConfigError(f"lins.plan.{s}: {f!r} is not [intra, inter] with two positive integers")
+        factors[s] = Factor(int(f[0]), int(f[1]))
+    return Layout(factors["p"], factors["g"], factors["os"])
+
+
+def _find_auto(obj, path="lins"):
+    if obj == "auto":
+        raise LinsConfigError(f"{path}: \"auto\" is not accepted inside lins (accelerate would fill it); use null")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _find_auto(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _find_auto(v, f"{path}[{i}]")
+
+
+def parse_lins_config(block) -> LinsConfig:
+    if not isinstance(block, dict):
+        raise LinsConfigError(f"lins: {block!r} is not an object")
+    _find_auto(block)
+    known = set(LinsConfig.__dataclass_fields__)
+    unknown = sorted(set(block) - known)
+    if unknown:
+        raise LinsConfigError(f"lins.{unknown[0]}: unknown key (known keys: {', '.join(sorted(known))})")
+    b = dict(block)
+    _check_type("enabled", b.get("enabled", True), (bool,), "true or false", nullable=False)
+    _check_type("gpus_per_node", b.get("gpus_per_node"), (int,), "a positive integer or null")
+    if b.get("gpus_per_node") is not None and b["gpus_per_node"] < 1:
+        raise LinsConfigError(f"lins.gpus_per_node: {b['gpus_per_node']} is not a positive integer")
+    _check_type("activation_checkpointing", b.get("activation_checkpointing"), (bool,), "true, false or null")
+    _check_type("gpu_memory_gb", b.get("gpu_memory_gb"), (int, float), "a positive number of GiB or null")
+    if b.get("gpu_memory_gb") is not None and not b["gpu_memory_gb"] > 0:
+        raise LinsConfigError(f"lins.gpu_memory_gb: {b['gpu_memory_gb']} must be positive")
+    _check_type("seq_len", b.get("seq_len"), (int,), "a positive integer or null")
+    if b.get("seq_len") is not None and b["seq_len"] < 1:
+        raise LinsConfigError(f"lins.seq_len: {b['seq_len']} must be positive")
+    _check_type("model", b.get("model"), (str,), "a model name, a config.json path or null")
+    cluster = b.get("cluster", "h200-emulated")
+    if cluster not in CLUSTERS:
+        raise LinsConfigError(f"lins.cluster: {cluster!r} is not a built-in cluster ({', '.join(sorted(CLUSTERS))})")
+    if b.get("grad_reduce_dtype") not in (None,) + DTYPES:
+        raise LinsConfigError(f"lins.grad_reduce_dtype: {b['grad_reduce_dtype']!r} is not one of {DTYPES} or null")
+    units = b.get("unit_modules")
+    if units is not None and (not isinstance(units, list) or not units or not all(isinstance(u, str) for u in units)):
+        raise LinsConfigError(f"lins.unit_modules: {units!r} is not a non-empty list of module class names")
+    return LinsConfig(
+        enabled=b.get("enabled", True), gpus_per_node=b.get("gpus_per_node"), plan=_parse_plan(b.get("plan", "solve")),
+        activation_checkpointing=b.get("activation_checkpointing"),
+        gpu_memory_gb=None if b.get("gpu_memory_gb") is None else float(b["gpu_memory_gb"]),
+        seq_len=b.get("seq_len"), model=b.get("model"), cluster=cluster,
+        grad_reduce_dtype=b.get("grad_reduce_dtype"), unit_modules=None if units is None else tuple(units),
+    )
+
+
+def lins_block(ds_config: dict) -> Optional[dict]:
+    """The ``lins`` block if Lins should run for this DeepSpeed config, else None."""
+    block = ds_config.get("lins") if isinstance(ds_config, dict) else None
+    if block is None:
+        return None
+    if isinstance(block, dict) and block.get("enabled", True) is False:
+        return None
+    return block

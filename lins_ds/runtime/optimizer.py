@@ -1,0 +1,133 @@
+"""The sharded optimizer (DESIGN §3, steps 3-5): it owns the OS chunk of every unit.
+
+The client's (or DeepSpeed's) basic optimizer keeps its param groups — same order, same
+hyperparameters, so LR schedulers work unchanged — but each group's ``params`` become this rank's
+fp32 master slices of that group inside its OS chunks. Deriving from ZeROOptimizer opts into the
+engine's loss-scaling and backward bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+
+from . import comm
+from .config import LinsConfigError
+
+ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "FusedAdam",
+               "DeepSpeedCPUAdam", "FusedLion", "DeepSpeedCPULion", "Lion"}
+
+
+def check_elementwise(optimizer) -> None:
+    name = type(optimizer).__name__
+    if name not in ELEMENTWISE:
+        raise LinsConfigError(
+            f"lins: optimizer {name} is not known to be element-wise; Lins gives each rank a slice of every "
+            f"tensor's optimizer state, which is exact only for element-wise updates ({', '.join(sorted(ELEMENTWISE))})")
+
+
+class MasterSlice:
+    """One (unit, param group) range [lo, hi) of this rank's OS chunk and its master tensor."""
+
+    def __init__(self, unit, lo: int, hi: int):
+        self.unit, self.lo, self.hi = unit, lo, hi
+        src = unit.p_storage[lo - unit.p_base:hi - unit.p_base]
+        self.aliased = src.dtype == torch.float32  # fp32 params are their own master copy
+        self.param = torch.nn.Parameter(src if self.aliased else src.float().clone())
+
+    def grad_view(self) -> torch.Tensor:
+        g = self.unit.g_acc
+        return g[self.lo - self.unit.g_base:self.hi - self.unit.g_base]
+
+    def write_back(self) -> None:
+        if not self.aliased:
+            self.unit.p_storage[self.lo - self.unit.p_base:self.hi - self.unit.p_base].copy_(self.param.data)
+
+
+class LinsOptimizer(ZeROOptimizer):
+    def __init__(self, basic, runtime, clip: float = 0.0, fp16: bool = False, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args=None):
+        super().__init__()
+        check_elementwise(basic)
+        self.optimizer, self.runtime, self.clip = basic, runtime, clip
+        self.custom_loss_scaler, self.torch_autocast_gradscaler = False, None
+        self.dynamic_loss_scale = fp16 and dynamic_loss_scale
+        self.loss_scaler = (CreateLossScaler(torch.half, static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+                            if fp16 else None)
+        self.overflow = False
+        self._global_grad_norm = None
+        self.slices: list = []
+        for gi, group in enumerate(basic.param_groups):
+            masters = []
+            for unit in runtime.units:
+                seg = unit.os_segment(gi)
+                if seg is not None:
+                    self.slices.append(MasterSlice(unit, *seg))
+                    masters.append(self.slices[-1].param)
+            group["params"] = masters
+        basic.state.clear()
+
+    # DeepSpeed and schedulers reach through to the basic optimizer's groups and state.
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.runtime.units:
+            for s in unit.slots:
+                s.param.grad = None
+
+    def _grad_norm(self, scale: float) -> float:
+        """Global L2 norm of the true (unscaled, averaged) gradient; each element counted once."""
+        rt = self.runtime
+        sq = torch.zeros(1, dtype=torch.float32, device=rt.device)
+        for unit in rt.units:
+            sq += unit.os_grad().float().pow(2).sum()
+        comm.all_reduce(None, "world", sq)  # every OS chunk is held by world/s_os replicas
+        return math.sqrt(max(sq.item(), 0.0) / rt.os_replicas) / scale if math.isfinite(sq.item()) else math.inf
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        rt = self.runtime
+        rt.finish_reduction()
+        scale = rt.topo.world_size * self.cur_scale
+        norm = self._grad_norm(scale)
+        self.overflow = self.loss_scaler is not None and not math.isfinite(norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            rt.zero_gradients()
+            return
+        coef = 1.0 / scale
+        if self.clip > 0 and norm > self.clip:
+            coef *= self.clip / (norm + 1e-6)
+        for s in self.slices:
+            g = s.grad_view()
+            s.param.grad = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)
+        self.optimizer.step()
+        for s in self.slices:
+            s.write_back()
+            s.param.grad = None
+        rt.sync_parameters()
+        rt.zero_gradients()
+        self._global_grad_norm = norm
+
+    def state_dict(self):
+        raise NotImplementedError(
+            "lins: optimizer state is sharded across ranks; save it with engine.save_checkpoint(), "
+            "which is not available yet in this release of lins_ds")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("lins: load optimizer state with engine.load_checkpoint(), "
+                                  "which is not available yet in this release of lins_ds")

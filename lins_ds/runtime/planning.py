@@ -1,0 +1,74 @@
+"""``"plan": "solve"`` at engine start-up: describe the model and training to the planner and solve.
+
+Until the profiler lands, the timing table is a built-in synthetic cluster (``lins.cluster``), and
+the summary says so.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from ..plan import ComputeSpec, MemorySpec, Plan, Topology, TrainingSpec, candidates, get_cluster, load_model, solve
+from ..plan import cost, report
+from ..plan.model import from_hf_config
+from .config import LinsConfig, LinsConfigError
+
+
+def local_world_size() -> int:
+    """GPUs per node as the launcher says (torchrun, deepspeed and accelerate set LOCAL_WORLD_SIZE)."""
+    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def _model_spec(module: torch.nn.Module, cfg: LinsConfig):
+    if cfg.model:
+        return load_model(cfg.model)
+    hf = getattr(module, "config", None)
+    if hf is not None and hasattr(hf, "to_dict"):
+        return from_hf_config(hf.to_dict(), type(module).__name__)
+    raise LinsConfigError("lins.plan: \"solve\" needs to know the model's shape: set lins.model to a built-in "
+                          "name or a config.json path, use a Hugging Face model, or give a fixed plan")
+
+
+def _memory_gb(cfg: LinsConfig, device: torch.device) -> float:
+    if cfg.gpu_memory_gb is not None:
+        return cfg.gpu_memory_gb
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    return psutil.virtual_memory().total / 2**30 / max(1, local_world_size())
+
+
+def _seq_len(module: torch.nn.Module, cfg: LinsConfig) -> int:
+    if cfg.seq_len:
+        return cfg.seq_len
+    hf = getattr(module, "config", None)
+    n = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
+    if not n:
+        raise LinsConfigError("lins.seq_len: needed with \"plan\": \"solve\" when the model does not say it")
+    return int(n)
+
+
+def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype):
+    module = engine.module
+    model = _model_spec(module, cfg)
+    ckpt = cfg.activation_checkpointing
+    if ckpt is None and not hasattr(module, "gradient_checkpointing_enable"):
+        ckpt = False  # we can only switch checkpointing on for models that offer it
+    accum = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[accum_dtype]
+    train = TrainingSpec(_seq_len(module, cfg), engine.train_micro_batch_size_per_gpu(),
+                         engine.gradient_accumulation_steps(), param_dtype, accum, cfg.grad_reduce_dtype,
+                         activation_checkpointing=ckpt)
+    cluster = get_cluster(cfg.cluster)
+    table = cluster.table(cost.required_meshes(topo, candidates(topo)))
+    device = next(module.parameters()).device
+    sol = solve(model, topo, train, MemorySpec(_memory_gb(cfg, device)), table,
+                ComputeSpec(cluster.peak_tflops, cluster.achievable_mfu))
+    plan = sol.plan
+    return plan, report.to_table(sol) + f"\n  (timing from the built-in synthetic cluster {cluster.name!r})"

@@ -1,0 +1,63 @@
+"""LinsRuntime: a model's units, groups and executor under one plan; the engine and optimizer drive it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import Plan
+from . import comm
+from .executor import Executor
+from .units import assign_units, build_unit
+
+
+class LinsRuntime:
+    def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, unit_modules=None):
+        self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
+        self.groups = comm.Groups(self.topo, self.layout)
+        group_of = {}
+        for gi, group in enumerate(param_groups):
+            for p in group["params"]:
+                if p.requires_grad:  # frozen parameters stay whole on every rank, outside any unit
+                    group_of.setdefault(p, gi)
+        units = [build_unit(name, mods, params, group_of, self.topo, self.layout, self.groups.rank, accum_dtype)
+                 for name, mods, params in assign_units(module, group_of, unit_modules)]
+        root = units[0] if units and units[0].name == "root" else None
+        self.units = units
+        self.device = units[0].device if units else torch.device("cpu")
+        self.executor = Executor(module, root, units[1:] if root is not None else units, self.groups, reduce_dtype)
+        self.os_replicas = self.topo.world_size // self.layout.os.size
+        self._replicas_reduced = False
+
+    def unit_sizes(self) -> list:
+        """(padded numel, is_root) per unit, as ``lins_ds.plan.cost.schedule`` takes them."""
+        return [(u.spec.padded, u is self.executor.root) for u in self.units]
+
+    # --- called by the engine ---------------------------------------------------------------
+    def post_backward(self) -> None:
+        self.executor.post_backward()
+
+    def reduce_at_boundary(self) -> None:
+        self.executor.reduce_replicas()
+        self._replicas_reduced = True
+
+    # --- called by the optimizer --------------------------------------------------------------
+    def finish_reduction(self) -> None:
+        if not self._replicas_reduced:
+            self.reduce_at_boundary()
+
+    @torch.no_grad()
+    def sync_parameters(self) -> None:
+        """After the update: gather each P chunk from the OS chunks of its P-sync group."""
+        for unit in self.units:
+            comm.all_gather(self.groups, "p_sync", unit.p_storage, unit.os_params())
+        self.executor.release_all()
+
+    def zero_gradients(self) -> None:
+        for unit in self.units:
+            unit.g_acc.zero_()
+        self._replicas_reduced = False
+
+    def destroy(self) -> None:
+        self.executor.remove_hooks()
+        self.groups.destroy()
