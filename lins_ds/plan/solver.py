@@ -20,6 +20,10 @@ from .spec import MemorySpec, TrainingSpec
 from .topology import Factor, Layout, PlanError, Topology, candidates, check_layout
 
 
+def _gib(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
+
+
 class NoFeasiblePlan(PlanError):
     def __init__(self, message: str, smallest: "Evaluation", capacity_gb: float):
         super().__init__(message)
@@ -148,7 +152,7 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
         raise NoFeasiblePlan(
             f"no plan fits in {mem.capacity_gb:g} GiB per GPU: the smallest, {smallest.layout}"
             f"{' with activation checkpointing' if smallest.checkpointing else ''}, needs "
-            f"{smallest.memory.total_gb:.2f} GiB ({lack:.2f} GiB more than available)",
+            f"{_gib(smallest.memory.total_gb)} GiB ({_gib(lack)} GiB more than available)",
             smallest, mem.capacity_gb)
     best = fitting[0]
     faster = [e for e in evals if not e.fits and e.objective_s < best.objective_s]

@@ -26,6 +26,7 @@ class LinsConfig:
     plan: object = "solve"  # "solve" or a Layout
     activation_checkpointing: Optional[bool] = None
     gpu_memory_gb: Optional[float] = None
+    reserved_gb: Optional[float] = None  # None: 2 GiB on GPUs (CUDA context, communicators), 0 on CPU
     seq_len: Optional[int] = None
     model: Optional[str] = None
     cluster: str = "h200-emulated"
@@ -105,6 +106,9 @@ def parse_lins_config(block) -> LinsConfig:
     _check_type("gpu_memory_gb", b.get("gpu_memory_gb"), (int, float), "a positive number of GiB or null")
     if b.get("gpu_memory_gb") is not None and not b["gpu_memory_gb"] > 0:
         raise LinsConfigError(f"lins.gpu_memory_gb: {b['gpu_memory_gb']} must be positive")
+    _check_type("reserved_gb", b.get("reserved_gb"), (int, float), "a number of GiB >= 0 or null")
+    if b.get("reserved_gb") is not None and b["reserved_gb"] < 0:
+        raise LinsConfigError(f"lins.reserved_gb: {b['reserved_gb']} must be >= 0")
     _check_type("seq_len", b.get("seq_len"), (int,), "a positive integer or null")
     if b.get("seq_len") is not None and b["seq_len"] < 1:
         raise LinsConfigError(f"lins.seq_len: {b['seq_len']} must be positive")
@@ -121,6 +125,7 @@ def parse_lins_config(block) -> LinsConfig:
         enabled=b.get("enabled", True), gpus_per_node=b.get("gpus_per_node"), plan=_parse_plan(b.get("plan", "solve")),
         activation_checkpointing=b.get("activation_checkpointing"),
         gpu_memory_gb=None if b.get("gpu_memory_gb") is None else float(b["gpu_memory_gb"]),
+        reserved_gb=None if b.get("reserved_gb") is None else float(b["reserved_gb"]),
         seq_len=b.get("seq_len"), model=b.get("model"), cluster=cluster,
         grad_reduce_dtype=b.get("grad_reduce_dtype"), unit_modules=None if units is None else tuple(units),
     )

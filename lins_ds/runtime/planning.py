@@ -68,7 +68,8 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
     cluster = get_cluster(cfg.cluster)
     table = cluster.table(cost.required_meshes(topo, candidates(topo)))
     device = next(module.parameters()).device
-    sol = solve(model, topo, train, MemorySpec(_memory_gb(cfg, device)), table,
+    reserved = cfg.reserved_gb if cfg.reserved_gb is not None else (2.0 if device.type == "cuda" else 0.0)
+    sol = solve(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
                 ComputeSpec(cluster.peak_tflops, cluster.achievable_mfu))
     plan = sol.plan
     return plan, report.to_table(sol) + f"\n  (timing from the built-in synthetic cluster {cluster.name!r})"
