@@ -77,12 +77,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_CONFIG = {
+    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+    "steps_per_print": 1000, "zero_optimization": {"stage": 0},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
+    "lins": {"enabled": True, "gpus_per_node": 2, "plan": "solve", "gpu_memory_gb": 0.02, "seq_len": 64},
+}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """4 CPU processes (gloo) as 2 nodes x 2 GPUs train a tiny LLaMA with a solved plan."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = os.path.join(tmp, "lins_demo.json")
+        with open(cfg, "w") as f:
+            json.dump(DEMO_CONFIG, f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+               "--master_port", str(args.master_port), "-m", "lins_ds.train_llama", "--deepspeed_config", cfg,
+               "--model", "tiny", "--seq-len", "64", "--steps", str(args.steps)]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+        return subprocess.call(cmd, env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lins-ds", description="Lins: independent P/G/OS sharding for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="choose P/G/OS sharding factors for a model and cluster")
     _add_plan_args(p)
     p.set_defaults(func=cmd_plan)
+    d = sub.add_parser("demo", help="CPU demo: 4 gloo processes as 2 nodes x 2 train a tiny LLaMA under Lins")
+    d.add_argument("--steps", type=int, default=30)
+    d.add_argument("--nproc", type=int, default=4, choices=[4], help="processes (2 emulated nodes x 2)")
+    d.add_argument("--master-port", type=int, default=29533)
+    d.set_defaults(func=cmd_demo)
     return parser
 
 

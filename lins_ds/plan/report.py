@@ -13,8 +13,16 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:9.2f} ms"
 
 
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB"
+def _bytes(b: float) -> str:
+    """A size with a unit that keeps small figures readable (tiny CPU models as much as 30B)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= 0.1 * scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _gib(gib: float) -> str:
+    return _bytes(gib * 2**30)
 
 
 def explain_loss(winner: Evaluation, other: Evaluation) -> str:
@@ -73,24 +81,24 @@ def to_table(sol: Solution) -> str:
     terms = {"p": "params", "g": "grads", "os": "optimizer"}
     for s, f in best.layout.factors().items():
         lines.append(f"  {STATE_NAMES[s]:<16}{str(f) + f' (s={f.size})':>20}"
-                     f"{best.memory.terms[terms[s]]:>10.2f} GiB{_ms(times[s]):>18}")
+                     f"{_gib(best.memory.terms[terms[s]]):>14}{_ms(times[s]):>18}")
     lines += ["", "  collectives per step:"]
     for c in best.collectives:
         lines.append(f"    {c.state:<6} {c.phase:<10} {c.op:<14} group {c.group:<9} mesh {str(c.mesh):<6} "
-                     f"{_gib(c.nbytes):>11} x {c.calls:<4} {_ms(c.total_s)}")
+                     f"{_bytes(c.nbytes):>11} x {c.calls:<4} {_ms(c.total_s)}")
     if not best.collectives:
         lines.append("    none (a single rank)")
     lines += ["", f"  predicted communication: {_ms(best.comm_s).strip()} per step", "", "  memory per GPU:"]
     for k in TERMS:
-        lines.append(f"    {k:<14}{best.memory.terms[k]:8.2f} GiB")
-    lines.append(f"    {'total':<14}{best.memory.total_gb:8.2f} GiB of {best.capacity_gb:g} GiB "
-                 f"(headroom {best.capacity_gb - best.memory.total_gb:.2f} GiB)")
+        lines.append(f"    {k:<14}{_gib(best.memory.terms[k]):>12}")
+    lines.append(f"    {'total':<14}{_gib(best.memory.total_gb):>12} of {best.capacity_gb:g} GiB "
+                 f"(headroom {_gib(best.capacity_gb - best.memory.total_gb)})")
     lines.append("")
     if sol.runner_up is not None:
         lines.append(f"  runner-up: {describe(sol.runner_up)}: {explain_loss(best, sol.runner_up)}")
     if sol.fastest_infeasible is not None:
         e = sol.fastest_infeasible
-        lines.append(f"  faster but does not fit: {describe(e)} needs {e.memory.total_gb:.2f} GiB "
+        lines.append(f"  faster but does not fit: {describe(e)} needs {_gib(e.memory.total_gb)} "
                      f"({e.objective_s * 1e3:.2f} ms per step)")
     lines.append(f"  searched {sol.considered} candidates, {sol.feasible} fit; solved in {sol.elapsed_s * 1e3:.1f} ms")
     return "\n".join(lines)

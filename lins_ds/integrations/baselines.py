@@ -1,0 +1,45 @@
+"""Helpers that let one training script run Lins and every DeepSpeed baseline from the same code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def is_mics(ds_config: dict) -> bool:
+    return int((ds_config.get("zero_optimization") or {}).get("mics_shard_size", -1)) > 0
+
+
+def model_init_context(ds_config: dict):
+    """The context a model must be built in: ``deepspeed.zero.MiCS_Init`` for MiCS,
+    ``deepspeed.zero.Init`` for ZeRO-3 and ZeRO++, nothing for ZeRO-1/2 and Lins."""
+    import deepspeed
+
+    if zero_stage(ds_config) == 3:
+        if is_mics(ds_config):
+            return deepspeed.zero.MiCS_Init(config_dict_or_path=ds_config)
+        return deepspeed.zero.Init(config_dict_or_path=ds_config)
+    return contextlib.nullcontext()
+
+
+def emulate_nodes(ds_config: dict, gpus_per_node: int) -> dict:
+    """Make one host act as nodes of ``gpus_per_node`` GPUs (DESIGN §7): a distinct NCCL_HOSTID per
+    virtual node (set before the process group exists), and every node-sized setting of the config —
+    ``lins.gpus_per_node``, ZeRO++ ``zero_hpz_partition_size``, MiCS ``mics_shard_size`` — set to it."""
+    rank = int(os.environ.get("RANK", "0"))
+    os.environ["NCCL_HOSTID"] = f"lins-virtual-node-{rank // gpus_per_node}"
+    cfg = dict(ds_config)
+    if isinstance(cfg.get("lins"), dict):
+        cfg["lins"] = {**cfg["lins"], "gpus_per_node": gpus_per_node}
+    zero = dict(cfg.get("zero_optimization") or {})
+    if zero.get("zero_hpz_partition_size", 1) > 1:
+        zero["zero_hpz_partition_size"] = gpus_per_node
+    if zero.get("mics_shard_size", -1) > 0:
+        zero["mics_shard_size"] = gpus_per_node
+    if zero:
+        cfg["zero_optimization"] = zero
+    return cfg
