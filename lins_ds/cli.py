@@ -102,6 +102,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return subprocess.call(cmd, env=env)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .profile.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lins-ds", description="Lins: independent P/G/OS sharding for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -113,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nproc", type=int, default=4, choices=[4], help="processes (2 emulated nodes x 2)")
     d.add_argument("--master-port", type=int, default=29533)
     d.set_defaults(func=cmd_demo)
+    pr = sub.add_parser("profile", help="measure collective bandwidth per mesh (run on every rank under torchrun)")
+    pr.add_argument("--out", help="write the table here (default: the cache file for this launch)")
+    pr.add_argument("--quick", action="store_true", help="fewer sizes and repeats (what engine start-up runs)")
+    pr.add_argument("--gpus-per-node", type=int, help="emulate nodes of L GPUs on one host (NCCL_HOSTID)")
+    pr.add_argument("--max-mb", type=float, help="largest message in MiB")
+    pr.add_argument("--validate", action="store_true", help="also time every candidate plan's collectives "
+                    "on their real groups and report prediction error")
+    pr.add_argument("--model", default="llama-1b", help="with --validate: model whose units are timed")
+    pr.add_argument("--seq-len", type=int, default=2048)
+    pr.add_argument("--micro-batch-size", type=int, default=1)
+    pr.add_argument("--grad-accum", type=int, default=1)
+    pr.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -194,7 +194,7 @@ def solve_run():
 
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
-                                      config=config({"plan": "solve", "gpu_memory_gb": 0.0004, "reserved_gb": 0, "seq_len": 8,
+                                      config=config({"plan": "solve", "gpu_memory_gb": 0.0004, "reserved_gb": 0, "seq_len": 8, "profile": "synthetic",
                                                      "activation_checkpointing": False}))
     losses = []
     for step in range(6):

@@ -26,12 +26,18 @@ def model_init_context(ds_config: dict):
     return contextlib.nullcontext()
 
 
-def emulate_nodes(ds_config: dict, gpus_per_node: int) -> dict:
-    """Make one host act as nodes of ``gpus_per_node`` GPUs (DESIGN §7): a distinct NCCL_HOSTID per
-    virtual node (set before the process group exists), and every node-sized setting of the config —
-    ``lins.gpus_per_node``, ZeRO++ ``zero_hpz_partition_size``, MiCS ``mics_shard_size`` — set to it."""
+def set_virtual_node(gpus_per_node: int) -> None:
+    """Give this process the NCCL_HOSTID of its virtual node (DESIGN §7): NCCL then uses its network
+    transport between virtual nodes. Must run before the process group exists."""
     rank = int(os.environ.get("RANK", "0"))
     os.environ["NCCL_HOSTID"] = f"lins-virtual-node-{rank // gpus_per_node}"
+
+
+def emulate_nodes(ds_config: dict, gpus_per_node: int) -> dict:
+    """Make one host act as nodes of ``gpus_per_node`` GPUs: the virtual node's NCCL_HOSTID, and every
+    node-sized setting of the config — ``lins.gpus_per_node``, ZeRO++ ``zero_hpz_partition_size``,
+    MiCS ``mics_shard_size`` — set to it."""
+    set_virtual_node(gpus_per_node)
     cfg = dict(ds_config)
     if isinstance(cfg.get("lins"), dict):
         cfg["lins"] = {**cfg["lins"], "gpus_per_node": gpus_per_node}

@@ -23,13 +23,15 @@ class LinsConfigError(PlanError):
 class LinsConfig:
     enabled: bool = True
     gpus_per_node: Optional[int] = None
-    plan: object = "solve"  # "solve" or a Layout
+    plan: object = "solve"  # "solve", or {"p": (intra, inter), ...} with ints or "all"
     activation_checkpointing: Optional[bool] = None
     gpu_memory_gb: Optional[float] = None
     reserved_gb: Optional[float] = None  # None: 2 GiB on GPUs (CUDA context, communicators), 0 on CPU
     seq_len: Optional[int] = None
     model: Optional[str] = None
     cluster: str = "h200-emulated"
+    profile: str = "measure"  # "measure" (cached or quick-measured), "synthetic" (lins.cluster), or a JSON path
+    profile_cache: Optional[str] = None  # directory of cached measured profiles
     grad_reduce_dtype: Optional[str] = None
     unit_modules: Optional[tuple] = None
 
@@ -43,9 +45,15 @@ class LinsConfig:
         if world_size % L:
             raise LinsConfigError(f"lins.gpus_per_node: {L} does not divide the world size {world_size}")
         topo = Topology(world_size // L, L)
-        if isinstance(self.plan, Layout):
-            check_layout(topo, self.plan)
+        if not self.solve:
+            check_layout(topo, self.layout(topo))
         return topo
+
+    def layout(self, topo: Topology) -> Layout:
+        """The fixed plan with "all" resolved: intra "all" = gpus_per_node, inter "all" = nodes."""
+        f = {s: Factor(topo.gpus_per_node if a == "all" else a, topo.nodes if b == "all" else b)
+             for s, (a, b) in self.plan.items()}
+        return Layout(f["p"], f["g"], f["os"])
 
 
 def _check_type(key: str, value, types, what: str, nullable: bool = True):
@@ -71,11 +79,11 @@ def _parse_plan(value) -> object:
     factors = {}
     for s in ("p", "g", "os"):
         f = value[s]
-        if (not isinstance(f, (list, tuple)) or len(f) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in f)):
-            raise LinsConfigError(f"lins.plan.{s}: {f!r} is not [intra, inter] with two positive integers")
-        factors[s] = Factor(int(f[0]), int(f[1]))
-    return Layout(factors["p"], factors["g"], factors["os"])
+        ok = lambda x: x == "all" or (isinstance(x, int) and not isinstance(x, bool) and x >= 1)  # noqa: E731
+        if not isinstance(f, (list, tuple)) or len(f) != 2 or not all(ok(x) for x in f):
+            raise LinsConfigError(f"lins.plan.{s}: {f!r} is not [intra, inter], each a positive integer or \"all\"")
+        factors[s] = tuple(f)
+    return factors
 
 
 def _find_auto(obj, path="lins"):
@@ -116,6 +124,11 @@ def parse_lins_config(block) -> LinsConfig:
     cluster = b.get("cluster", "h200-emulated")
     if cluster not in CLUSTERS:
         raise LinsConfigError(f"lins.cluster: {cluster!r} is not a built-in cluster ({', '.join(sorted(CLUSTERS))})")
+    profile = b.get("profile", "measure")
+    _check_type("profile", profile, (str,), "\"measure\", \"synthetic\" or a profile JSON path", nullable=False)
+    if profile not in ("measure", "synthetic") and not profile.endswith(".json"):
+        raise LinsConfigError(f"lins.profile: {profile!r} is not \"measure\", \"synthetic\" or a .json path")
+    _check_type("profile_cache", b.get("profile_cache"), (str,), "a directory path or null")
     if b.get("grad_reduce_dtype") not in (None,) + DTYPES:
         raise LinsConfigError(f"lins.grad_reduce_dtype: {b['grad_reduce_dtype']!r} is not one of {DTYPES} or null")
     units = b.get("unit_modules")
@@ -127,6 +140,7 @@ def parse_lins_config(block) -> LinsConfig:
         gpu_memory_gb=None if b.get("gpu_memory_gb") is None else float(b["gpu_memory_gb"]),
         reserved_gb=None if b.get("reserved_gb") is None else float(b["reserved_gb"]),
         seq_len=b.get("seq_len"), model=b.get("model"), cluster=cluster,
+        profile=profile, profile_cache=b.get("profile_cache"),
         grad_reduce_dtype=b.get("grad_reduce_dtype"), unit_modules=None if units is None else tuple(units),
     )
 

@@ -89,9 +89,10 @@ class LinsEngine(DeepSpeedEngine):
         if cfg.solve:
             plan, summary = solve_plan(self, cfg, topo, param_dtype, accum_dtype)
         else:
-            plan = Plan(topo, cfg.plan, bool(ckpt), param_dtype, _dtype_name(accum_dtype),
+            layout = cfg.layout(topo)
+            plan = Plan(topo, layout, bool(ckpt), param_dtype, _dtype_name(accum_dtype),
                         model=type(self.module).__name__, profile_source="fixed in config")
-            summary = f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {cfg.plan}"
+            summary = f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {layout}"
         digests = comm.all_gather_object_world(plan.digest())
         if len(set(digests)) != 1:
             raise LinsConfigError(f"lins: ranks computed different plans (digests {digests}); "

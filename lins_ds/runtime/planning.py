@@ -1,7 +1,8 @@
 """``"plan": "solve"`` at engine start-up: describe the model and training to the planner and solve.
 
-Until the profiler lands, the timing table is a built-in synthetic cluster (``lins.cluster``), and
-the summary says so.
+The timing table is, by ``lins.profile``: ``"measure"`` — the cached measured table for this launch,
+or a quick measurement (every rank takes part, every rank gets rank 0's table); ``"synthetic"`` —
+the built-in cluster ``lins.cluster``; or a profile JSON file. The summary names its source.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import os
 import psutil
 import torch
 
-from ..plan import ComputeSpec, MemorySpec, Plan, Topology, TrainingSpec, candidates, get_cluster, load_model, solve
+from ..plan import (ComputeSpec, MemorySpec, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
+                    load_model, solve)
 from ..plan import cost, report
 from ..plan.model import from_hf_config
 from .config import LinsConfig, LinsConfigError
@@ -66,10 +68,20 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
                          engine.gradient_accumulation_steps(), param_dtype, accum, cfg.grad_reduce_dtype,
                          activation_checkpointing=ckpt)
     cluster = get_cluster(cfg.cluster)
-    table = cluster.table(cost.required_meshes(topo, candidates(topo)))
+    meshes = cost.required_meshes(topo, candidates(topo))
     device = next(module.parameters()).device
+    if cfg.profile == "synthetic":
+        table = cluster.table(meshes)
+    elif cfg.profile == "measure":
+        from ..profile import obtain
+
+        largest = max(model.unit_params()) * train.param_bytes
+        table = obtain(topo, meshes, device, quick=True, max_bytes=largest, cache_dir=cfg.profile_cache,
+                       log=lambda msg: print(msg, flush=True) if torch.distributed.get_rank() == 0 else None)
+    else:
+        table = ProfileTable.load(cfg.profile)
     reserved = cfg.reserved_gb if cfg.reserved_gb is not None else (2.0 if device.type == "cuda" else 0.0)
     sol = solve(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
                 ComputeSpec(cluster.peak_tflops, cluster.achievable_mfu))
     plan = sol.plan
-    return plan, report.to_table(sol) + f"\n  (timing from the built-in synthetic cluster {cluster.name!r})"
+    return plan, report.to_table(sol)

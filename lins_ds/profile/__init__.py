@@ -1,0 +1,45 @@
+"""Communication profiler: measured tables, cached on disk, shared so every rank plans alike."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+from ..plan import ProfileTable, Topology
+from . import cache
+from .measure import FULL, QUICK, measure
+
+
+def _broadcast(obj):
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def obtain(topo: Topology, meshes, device: torch.device, *, quick: bool = True, max_bytes: int = 0,
+           cache_dir=None, log=print) -> ProfileTable:
+    """Rank 0's cached table when it matches this launch and covers ``meshes`` up to ``max_bytes``
+    (e.g. the largest unit the model gathers); otherwise measured now by every rank (quick or full
+    mode) and cached. Every rank returns rank 0's table, so every rank plans alike."""
+    rank = tdist.get_rank()
+    key = cache.launch_key(topo, device)
+    path = cache.cache_path(key, cache_dir)
+    params = dict(QUICK if quick else FULL)
+    if max_bytes:
+        params["max_bytes"] = max(int(max_bytes), params["min_bytes"] * params["step"])
+    found = None
+    if rank == 0:
+        table, reason = cache.load(path, key, meshes, params["max_bytes"])
+        log(f"lins profile: {reason}" + ("" if table else "; measuring now"))
+        found = None if table is None else table.to_json()
+    found = _broadcast(found)
+    if found is not None:
+        return ProfileTable.from_json(found, origin=path)
+    meta = {**key, "source": f"measured:{'quick' if quick else 'full'}"}
+    if device.type == "cuda":
+        meta["gpu_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    table = measure(topo, meshes, device, meta=meta, **params)
+    if rank == 0:
+        cache.save(path, table)
+        log(f"lins profile: saved {path}")
+    return ProfileTable.from_json(_broadcast(table.to_json() if rank == 0 else None), origin="rank 0")

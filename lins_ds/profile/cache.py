@@ -1,0 +1,82 @@
+"""On-disk cache of measured profile tables, keyed by what the measurements depend on.
+
+A cached table is reused only when its key matches this launch (world size, GPUs per node, nodes,
+device, backend and its version, torch version) and it covers every mesh and size asked for; any
+other file — another key, a truncated or corrupted file — is reported and measured anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as tdist
+
+from ..plan import PlanError, ProfileTable, Topology
+
+KEY_FIELDS = ("world_size", "gpus_per_node", "nodes", "device", "backend", "backend_version", "torch")
+
+
+def default_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lins_ds", "profiles")
+
+
+def launch_key(topo: Topology, device: torch.device) -> dict:
+    backend = tdist.get_backend()
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        version = ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else torch.__version__
+    else:
+        name, version = "cpu", torch.__version__
+    return {"world_size": topo.world_size, "gpus_per_node": topo.gpus_per_node, "nodes": topo.nodes,
+            "device": name, "backend": backend, "backend_version": version, "torch": torch.__version__}
+
+
+def cache_path(key: dict, directory: Optional[str] = None) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(directory or default_dir(), f"profile-{digest}.json")
+
+
+def covers(table: ProfileTable, meshes, max_bytes: int) -> Optional[str]:
+    """None if ``table`` has every op on every mesh up to ``max_bytes``, else what is missing."""
+    for m in meshes:
+        if m.size == 1:
+            continue
+        for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
+            s = table.series.get((op, m.intra, m.inter))
+            if s is None:
+                return f"no {op} on mesh {m}"
+            if s.sizes[-1] < max_bytes:
+                return f"{op} on mesh {m} measured only up to {s.sizes[-1]} bytes (< {max_bytes})"
+    return None
+
+
+def load(path: str, key: dict, meshes, max_bytes: int) -> tuple:
+    """(table or None, reason it cannot be used)."""
+    if not os.path.exists(path):
+        return None, f"no cached profile at {path}"
+    try:
+        table = ProfileTable.load(path)
+    except PlanError as e:
+        return None, f"cached profile {path} is unreadable ({e})"
+    stored = {k: table.meta.get(k) for k in KEY_FIELDS}
+    if stored != key:
+        diff = {k: (stored[k], key[k]) for k in KEY_FIELDS if stored[k] != key[k]}
+        return None, f"cached profile {path} was measured for another launch: {diff}"
+    missing = covers(table, meshes, max_bytes)
+    if missing:
+        return None, f"cached profile {path} lacks measurements: {missing}"
+    return table, "cache hit"
+
+
+def save(path: str, table: ProfileTable) -> None:
+    """Write atomically: a crash leaves the old file or none, never half a table."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(table.to_json(), f, indent=1)
+    os.replace(tmp, path)
