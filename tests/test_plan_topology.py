@@ -100,3 +100,11 @@ def test_random_large_topologies_layout_is_consistent():
         for r in rng.sample(range(topo.world_size), 16):
             c = chunks(topo, lay, r)
             assert 0 <= c.p < s_p and 0 <= c.g < s_g and 0 <= c.os < s_os
+
+
+def test_unsorted_groups_only_when_both_dimensions_split():
+    from lins_ds.plan.layout import needs_unsorted_groups
+
+    for topo in (Topology(1, 4), Topology(4, 1), Topology(2, 2)):
+        flags = [needs_unsorted_groups(topo, lay) for lay in candidates(topo)]
+        assert any(flags) == (topo.nodes > 1 and topo.gpus_per_node > 1)

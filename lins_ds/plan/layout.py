@@ -3,17 +3,18 @@
 Every unit buffer is cut into s_os equal atoms. State x owns s_x chunks of s_os/s_x consecutive atoms.
 A rank's digits (DESIGN §2, "mixed radix, coarser state's index most significant"):
 
-    local l = q_p + a_p*(q_pg + (a_g/a_p)*(q_gos + (a_os/a_g)*q_rep))
-    node  m = e_p + b_p*(e_pg + (b_g/b_p)*(e_gos + (b_os/b_g)*e_rep))
+    local l = q_rep + (L/a_os)*(q_gos + (a_os/a_g)*(q_pg + (a_g/a_p)*q_p))
+    node  m = e_rep + (M/b_os)*(e_gos + (b_os/b_g)*(e_pg + (b_g/b_p)*e_p))
 
     c_p  = e_p*a_p + q_p
     c_g  = c_p*(s_g/s_p)   + e_pg*(a_g/a_p)   + q_pg
     c_os = c_g*(s_os/s_g)  + e_gos*(a_os/a_g) + q_gos
 
 so chunk c_os(r) lies inside chunk c_g(r), which lies inside chunk c_p(r). A group's ranks are listed
-in chunk order, so that a plain AllGather / ReduceScatter lands every chunk where it belongs. That
-order is not global-rank order in general (P = 2x1, G = 2x2 interleaves), so the runtime must create
-groups with ``sort_ranks=False``.
+in chunk order, so that a plain AllGather / ReduceScatter lands every chunk where it belongs. The
+coarser digit is the more significant one in l and in m too, so within one node (or with one GPU per
+node) chunk order is global-rank order; only when a partial intra-node P meets a cross-node G or OS
+(P = 2x1, G = 2x2) do the orders differ, and such groups are created with ``sort_ranks=False``.
 
 Groups (each kind partitions the world):
 - ``p``:         ranks holding the s_p different P chunks of one replica        (mesh a_p x b_p)
@@ -56,9 +57,9 @@ def _split(x: int, radices: tuple[int, ...]) -> list[int]:
 def digits(topo: Topology, layout: Layout, rank: int) -> RankDigits:
     p, g, os = layout.p, layout.g, layout.os
     m, l = divmod(rank, topo.gpus_per_node)
-    q = _split(l, (p.intra, g.intra // p.intra, os.intra // g.intra))
-    e = _split(m, (p.inter, g.inter // p.inter, os.inter // g.inter))
-    return RankDigits(*q, *e)
+    q_rep, q_gos, q_pg, q_p = _split(l, (topo.gpus_per_node // os.intra, os.intra // g.intra, g.intra // p.intra))
+    e_rep, e_gos, e_pg, e_p = _split(m, (topo.nodes // os.inter, os.inter // g.inter, g.inter // p.inter))
+    return RankDigits(q_p, q_pg, q_gos, q_rep, e_p, e_pg, e_gos, e_rep)
 
 
 @dataclass(frozen=True)
@@ -123,3 +124,9 @@ def group_of(topo: Topology, layout: Layout, kind: str, rank: int) -> tuple[int,
         if rank in grp:
             return grp
     raise AssertionError(f"rank {rank} in no {kind} group")  # groups partition the world
+
+
+def needs_unsorted_groups(topo: Topology, layout: Layout) -> bool:
+    """Whether some group's chunk order differs from global-rank order (process groups must then be
+    created with ``sort_ranks=False``, torch >= 2.13). Only when both dimensions are split."""
+    return any(list(g) != sorted(g) for kind in GROUP_KINDS for g in all_groups(topo, layout, kind))

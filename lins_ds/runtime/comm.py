@@ -9,6 +9,7 @@ sees every call with its group kind and byte count.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,6 +33,7 @@ class Recorder:
 
 
 _recorder: Optional[Recorder] = None
+SUPPORTS_UNSORTED_GROUPS = "sort_ranks" in inspect.signature(tdist.new_group).parameters
 
 
 @contextlib.contextmanager
@@ -62,7 +64,10 @@ class Groups:
             for ranks in all_groups(topo, layout, kind):  # every rank creates every group, same order
                 if len(ranks) == 1:
                     continue
-                pg = tdist.new_group(list(ranks), sort_ranks=False)
+                if list(ranks) == sorted(ranks):
+                    pg = tdist.new_group(list(ranks))
+                else:  # validated up front: only reached where torch supports it
+                    pg = tdist.new_group(list(ranks), sort_ranks=False)
                 if self.rank in ranks:
                     self._pg[kind] = pg
             self.members[kind] = group_of(topo, layout, kind, self.rank)

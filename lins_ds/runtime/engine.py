@@ -13,6 +13,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
 from ..plan import Plan
+from ..plan.layout import needs_unsorted_groups
 from . import comm
 from .config import LinsConfigError, lins_block, parse_lins_config
 from .optimizer import LinsOptimizer
@@ -34,6 +35,10 @@ def validate(config: dict, config_class, has_client_optimizer: bool):
     if not has_client_optimizer and not config.get("optimizer"):
         raise LinsConfigError("lins: needs an optimizer (an \"optimizer\" block or a client optimizer)")
     topo = cfg.topology(dist.get_world_size(), local_world_size())
+    if not cfg.solve and not comm.SUPPORTS_UNSORTED_GROUPS and needs_unsorted_groups(topo, cfg.layout(topo)):
+        raise LinsConfigError(
+            f"lins.plan: {cfg.layout(topo)} needs process groups in an order other than global-rank order, "
+            f"which needs torch >= 2.13 (new_group(sort_ranks=False)); this is torch {torch.__version__}")
     return cfg, topo
 
 

@@ -16,6 +16,8 @@ from ..plan import (ComputeSpec, MemorySpec, ProfileTable, Topology, TrainingSpe
                     load_model, solve)
 from ..plan import cost, report
 from ..plan.model import from_hf_config
+from ..plan.layout import needs_unsorted_groups
+from . import comm
 from .config import LinsConfig, LinsConfigError
 
 
@@ -81,7 +83,10 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
     else:
         table = ProfileTable.load(cfg.profile)
     reserved = cfg.reserved_gb if cfg.reserved_gb is not None else (2.0 if device.type == "cuda" else 0.0)
+    layouts = candidates(topo)
+    if not comm.SUPPORTS_UNSORTED_GROUPS:  # older torch: only layouts whose groups are in rank order
+        layouts = [lay for lay in layouts if not needs_unsorted_groups(topo, lay)]
     sol = solve(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
-                ComputeSpec(cluster.peak_tflops, cluster.achievable_mfu))
+                ComputeSpec(cluster.peak_tflops, cluster.achievable_mfu), layouts=layouts)
     plan = sol.plan
     return plan, report.to_table(sol)
