@@ -21,19 +21,28 @@ def _patch_deepspeed() -> None:
 
 
 class _PatchDeepSpeedOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``_patch_deepspeed`` right after ``import deepspeed`` completes."""
+    """Runs ``_patch_deepspeed`` right after ``import deepspeed`` has executed. Stays installed until
+    then: availability probes (``importlib.util.find_spec("deepspeed")``, as transformers does) get a
+    spec too, but only an actual import executes it."""
+
+    _busy = False
 
     def find_spec(self, name, path, target=None):
-        if name != "deepspeed":
+        if name != "deepspeed" or self._busy:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_patch(module):
             exec_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             _patch_deepspeed()
 
         spec.loader.exec_module = exec_then_patch

@@ -108,6 +108,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from .checkpoint.consolidate import consolidate
+    from .checkpoint.save import LinsCheckpointError
+
+    try:
+        out = consolidate(args.ckpt_dir, args.out_dir, args.tag, args.dtype, int(args.max_shard_gb * 2**30))
+    except LinsCheckpointError as e:
+        print(f"lins-ds consolidate: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote full weights to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lins-ds", description="Lins: independent P/G/OS sharding for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -131,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--micro-batch-size", type=int, default=1)
     pr.add_argument("--grad-accum", type=int, default=1)
     pr.set_defaults(func=cmd_profile)
+    c = sub.add_parser("consolidate", help="full weights from a Lins checkpoint as HF safetensors")
+    c.add_argument("ckpt_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
+    c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    c.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of this size")
+    c.set_defaults(func=cmd_consolidate)
     return parser
 
 

@@ -256,3 +256,13 @@ def non_elementwise():
 def test_non_elementwise_optimizer_is_rejected():
     for msg in run(non_elementwise, 2, gpus_per_node=2):
         assert "LBFGS is not known to be element-wise" in msg
+
+
+def test_import_hook_survives_availability_probes():
+    import subprocess
+
+    code = ("import importlib.util, lins_ds, sys; importlib.util.find_spec('deepspeed'); "
+            "assert 'deepspeed' not in sys.modules; import deepspeed; "
+            "from lins_ds.integrations.deepspeed_patch import initialize; assert deepspeed.initialize is initialize")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

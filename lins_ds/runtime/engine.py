@@ -136,6 +136,26 @@ class LinsEngine(DeepSpeedEngine):
         self.lins.executor.release_all()
         return state_dict
 
+    # --- checkpoints (layout-independent; see lins_ds.checkpoint) -----------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's signature and return value; every rank must call it. Each rank of one OS replica
+        writes its own chunk; the tag directory appears only once complete, then ``latest``."""
+        from ..checkpoint.save import save
+
+        return save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's signature and return value ``(path, client_state)``; loads into this engine's plan
+        and world size whatever plan and world size wrote the checkpoint."""
+        from ..checkpoint.load import load
+
+        if custom_load_fn is not None:
+            raise LinsConfigError("load_checkpoint: custom_load_fn is not supported by LinsEngine")
+        return load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                    load_module_only)
+
     def destroy(self):
         if self.lins is not None:
             self.lins.destroy()

@@ -124,10 +124,8 @@ class LinsOptimizer(ZeROOptimizer):
         self._global_grad_norm = norm
 
     def state_dict(self):
-        raise NotImplementedError(
-            "lins: optimizer state is sharded across ranks; save it with engine.save_checkpoint(), "
-            "which is not available yet in this release of lins_ds")
+        raise RuntimeError("lins: optimizer state is sharded across ranks; use engine.save_checkpoint(), "
+                           "which writes it layout-independently")
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("lins: load optimizer state with engine.load_checkpoint(), "
-                                  "which is not available yet in this release of lins_ds")
+        raise RuntimeError("lins: use engine.load_checkpoint() to restore sharded optimizer state")

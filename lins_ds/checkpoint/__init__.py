@@ -1,0 +1,1 @@
+"""Layout-independent checkpoints: save per rank, load into any plan or world size, consolidate."""

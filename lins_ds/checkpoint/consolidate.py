@@ -1,0 +1,82 @@
+"""Full weights from a Lins checkpoint, offline on one CPU process, as Hugging Face safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .load import ShardReader, read_meta, resolve
+from .save import LinsCheckpointError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def full_state_dict(path: str, dtype: torch.dtype) -> dict:
+    """Every parameter (aliases of tied weights once) and persistent buffer, whole, in ``dtype``."""
+    meta = read_meta(path)
+    reader = ShardReader(path, meta["index"])
+    frozen = load_file(os.path.join(path, "frozen.safetensors"))
+    out = {}
+    for name, info in meta["params"].items():
+        if info["trainable"]:
+            t = torch.empty(torch.Size(info["shape"]).numel())
+            reader.fill(t, name, 0, t.numel(), "master")
+            out[name] = t.view(info["shape"]).to(dtype)
+        elif name in frozen:
+            out[name] = frozen[name].to(dtype)
+        else:
+            raise LinsCheckpointError(f"consolidate: {path} lacks frozen parameter {name}")
+    for name, t in frozen.items():
+        out.setdefault(name, t)  # buffers keep their own dtype
+    return out
+
+
+def write_safetensors(state: dict, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> list:
+    """model.safetensors, or model-0000i-of-0000n.safetensors plus model.safetensors.index.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards, current, size = [], {}, 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t.contiguous()
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return names
+
+
+def consolidate(ckpt_dir: str, out_dir: str, tag=None, dtype: str = "fp32", max_shard_bytes: int = 5 * 2**30) -> str:
+    if dtype not in DTYPES:
+        raise LinsCheckpointError(f"consolidate --dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    path = resolve(ckpt_dir, tag)
+    if path is None:
+        raise LinsCheckpointError(f"consolidate: no 'latest' file in {ckpt_dir}; pass --tag")
+    if os.path.abspath(out_dir) == os.path.abspath(path):
+        raise LinsCheckpointError("consolidate: OUT_DIR must differ from the checkpoint directory")
+    state = full_state_dict(path, DTYPES[dtype])
+    write_safetensors(state, out_dir, max_shard_bytes)
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            cfg = json.load(f)
+        cfg["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+    return out_dir
+

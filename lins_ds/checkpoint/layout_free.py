@@ -1,0 +1,50 @@
+"""Plan-independent checkpoint content: parameter element ranges, no trace of units or chunks.
+
+A checkpoint tag directory holds
+    meta.json                 names, shapes, dtypes, param groups, plan and world that wrote it,
+                              engine counters, the index of every shard file; written last
+    shard-XXXXX.safetensors   per writing rank: for each parameter range [a, b) of its OS chunk,
+                              "<name>@<a>:<b>/master" (fp32) and "<name>@<a>:<b>/<state key>"
+                              (element-wise optimizer state), plus "@scalars/<group>/<key>"
+    frozen.safetensors        frozen parameters and persistent buffers (rank 0)
+    extra.pt                  LR scheduler, loss scaler, client_state (rank 0)
+    config.json               the Hugging Face model config, when there is one
+A save goes to "<tag>.incomplete" and is renamed to "<tag>" once every rank has written;
+"latest" is rewritten last. So a killed save leaves the previous checkpoint and "latest" intact.
+"""
+
+from __future__ import annotations
+
+FORMAT = "lins_ds.checkpoint/1"
+META = "meta.json"
+LATEST = "latest"
+INCOMPLETE = ".incomplete"
+
+
+def range_key(name: str, a: int, b: int, what: str) -> str:
+    return f"{name}@{a}:{b}/{what}"
+
+
+def parse_range_key(key: str) -> tuple:
+    """(name, a, b, what) from ``range_key``'s output."""
+    head, what = key.rsplit("/", 1)
+    name, rng = head.rsplit("@", 1)
+    a, b = rng.split(":")
+    return name, int(a), int(b), what
+
+
+def slot_pieces(unit, lo: int, hi: int):
+    """(slot, [a, b) within the parameter, [s, e) within the master slice [lo, hi)) for every parameter
+    overlapping the unit range [lo, hi)."""
+    for slot in unit.slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            yield slot, (a - slot.offset, b - slot.offset), (a - lo, b - lo)
+
+
+def overlaps(index: dict, name: str, a: int, b: int):
+    """Shard files and stored ranges of parameter ``name`` that overlap [a, b): (file, sa, sb)."""
+    for fname, ranges in index.items():
+        for n, sa, sb in ranges:
+            if n == name and sa < b and a < sb:
+                yield fname, sa, sb

@@ -1,0 +1,140 @@
+"""Save a Lins checkpoint: every rank of the first OS replica writes its own OS chunk, nothing else is
+gathered; the directory becomes visible only when complete (see layout_free for the format)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as tdist
+from safetensors.torch import save_file
+
+from ..plan.layout import digits
+from .layout_free import FORMAT, INCOMPLETE, LATEST, META, range_key, slot_pieces
+
+
+class LinsCheckpointError(RuntimeError):
+    pass
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def is_writer(rt) -> bool:
+    """One replica of every OS chunk writes: the ranks whose replica digits are 0."""
+    d = digits(rt.topo, rt.layout, rt.groups.rank)
+    return d.q_rep == 0 and d.e_rep == 0
+
+
+def shard_tensors(opt) -> tuple:
+    """({key: tensor}, [(name, a, b)], {elementwise state keys}, {scalar state keys}) of this rank."""
+    tensors, index, ew_keys, scalar_keys = {}, [], set(), set()
+    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+    for sl in opt.slices:
+        state = opt.state.get(sl.param, {})
+        for slot, (a, b), (s, e) in slot_pieces(sl.unit, sl.lo, sl.hi):
+            index.append((slot.name, a, b))
+            tensors[range_key(slot.name, a, b, "master")] = _cpu(sl.param.data[s:e].float())
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.shape == sl.param.shape:
+                    tensors[range_key(slot.name, a, b, k)] = _cpu(v[s:e])
+                    ew_keys.add(k)
+        for k, v in state.items():
+            if not (torch.is_tensor(v) and v.shape == sl.param.shape):
+                tensors[f"@scalars/{group_of[id(sl.param)]}/{k}"] = _cpu(torch.as_tensor(v))
+                scalar_keys.add(k)
+    return tensors, index, ew_keys, scalar_keys
+
+
+def frozen_and_buffers(module: torch.nn.Module) -> dict:
+    out = {n: _cpu(p) for n, p in module.named_parameters() if not p.requires_grad}
+    for mod_name, mod in module.named_modules():
+        for b_name, buf in mod._buffers.items():
+            if buf is not None and b_name not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{b_name}" if mod_name else b_name] = _cpu(buf)
+    return out
+
+
+def _meta(engine, index: dict, ew_keys, scalar_keys) -> dict:
+    opt, module = engine.optimizer, engine.module
+    group_of = {}
+    for u in engine.lins.units:
+        for s in u.slots:
+            group_of[s.name] = s.group
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases[name] = next(n for n, q in module.named_parameters() if q is p)
+    return {
+        "format": FORMAT,
+        "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype).split(".")[-1], "trainable": p.requires_grad,
+                       "group": group_of.get(n)} for n, p in module.named_parameters()},
+        "aliases": aliases,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "optimizer": type(opt.optimizer).__name__,
+        "elementwise_state": sorted(ew_keys), "scalar_state": sorted(scalar_keys),
+        "plan": engine.lins.plan.to_json(), "world_size": engine.lins.topo.world_size,
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps, "index": index,
+    }
+
+
+def _json_safe(obj):
+    return json.loads(json.dumps(obj, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+
+
+def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    rank = tdist.get_rank()
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    tags = [None] * tdist.get_world_size()
+    tdist.all_gather_object(tags, tag)
+    if len(set(tags)) != 1:
+        raise LinsCheckpointError(f"save_checkpoint: tag differs across ranks ({sorted(set(tags))}); pass one tag")
+    final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, tag + INCOMPLETE)
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
+        os.makedirs(tmp)
+    tdist.barrier()
+
+    entry = None
+    if is_writer(engine.lins):
+        tensors, index, ew, sc = shard_tensors(engine.optimizer)
+        fname = f"shard-{rank:05d}.safetensors"
+        save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+        entry = (fname, index, sorted(ew), sorted(sc))
+    entries = [None] * tdist.get_world_size()
+    tdist.all_gather_object(entries, entry)
+
+    if rank == 0:
+        entries = [e for e in entries if e is not None]
+        index = {fname: idx for fname, idx, _, _ in entries}
+        ew = {k for e in entries for k in e[2]}
+        sc = {k for e in entries for k in e[3]}
+        save_file(frozen_and_buffers(engine.module), os.path.join(tmp, "frozen.safetensors"), metadata={"format": "pt"})
+        scaler = engine.optimizer.loss_scaler
+        torch.save({"lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                    "loss_scaler": dict(vars(scaler)) if scaler is not None else None,
+                    "client_state": client_state or {}}, os.path.join(tmp, "extra.pt"))
+        hf = getattr(engine.module, "config", None)
+        if hf is not None and hasattr(hf, "to_json_string"):
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                f.write(hf.to_json_string())
+        with open(os.path.join(tmp, META), "w") as f:  # last file: its presence marks a whole directory
+            json.dump(_json_safe(_meta(engine, index, ew, sc)), f, indent=1)
+    tdist.barrier()
+    if rank == 0:
+        old = final + ".old"
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        if save_latest:
+            with open(os.path.join(save_dir, LATEST + ".tmp"), "w") as f:
+                f.write(tag)
+            os.replace(os.path.join(save_dir, LATEST + ".tmp"), os.path.join(save_dir, LATEST))
+    tdist.barrier()
+    return True
