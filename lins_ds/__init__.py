@@ -1,8 +1,9 @@
 """lins_ds: Lins sharding (independent P/G/OS meshes) for DeepSpeed.
 
 ``import lins_ds`` makes ``deepspeed.initialize`` build a LinsEngine for configs with a ``"lins"``
-block. It does so lazily: deepspeed (and torch) load only when the program imports them, so the
-pure planner (``lins_ds.plan``, ``lins-ds plan``) never pulls torch in.
+block, and fixes accelerate's process count for multi-process CPU runs with DeepSpeed
+(``integrations/accelerate_patch.py`` says why). It does so lazily, right after the program imports
+those packages, so the pure planner (``lins_ds.plan``, ``lins-ds plan``) never pulls torch in.
 """
 
 from __future__ import annotations
@@ -20,15 +21,24 @@ def _patch_deepspeed() -> None:
     install()
 
 
-class _PatchDeepSpeedOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``_patch_deepspeed`` right after ``import deepspeed`` has executed. Stays installed until
-    then: availability probes (``importlib.util.find_spec("deepspeed")``, as transformers does) get a
-    spec too, but only an actual import executes it."""
+def _patch_accelerate() -> None:
+    from .integrations.accelerate_patch import install
+
+    install()
+
+
+_POST_IMPORT = {"deepspeed": _patch_deepspeed, "accelerate.state": _patch_accelerate}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after ``import deepspeed`` / ``accelerate.state`` has executed. Stays
+    installed until then: availability probes (``importlib.util.find_spec("deepspeed")``, as
+    transformers does) get a spec too, but only an actual import executes it."""
 
     _busy = False
 
     def find_spec(self, name, path, target=None):
-        if name != "deepspeed" or self._busy:
+        if name not in _POST_IMPORT or self._busy:
             return None
         self._busy = True
         try:
@@ -41,18 +51,17 @@ class _PatchDeepSpeedOnImport(importlib.abc.MetaPathFinder):
 
         def exec_then_patch(module):
             exec_module(module)
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            _patch_deepspeed()
+            _POST_IMPORT[name]()
 
         spec.loader.exec_module = exec_then_patch
         return spec
 
 
-if "deepspeed" in sys.modules:
-    _patch_deepspeed()
-elif not any(isinstance(f, _PatchDeepSpeedOnImport) for f in sys.meta_path):
-    sys.meta_path.insert(0, _PatchDeepSpeedOnImport())
+for _name, _patch in _POST_IMPORT.items():
+    if _name in sys.modules:
+        _patch()
+if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _PatchOnImport())
 
 
 def initialize(*args, **kwargs):

@@ -1,0 +1,77 @@
+"""Fine-tune a tiny LLaMA with the Hugging Face Trainer under Lins (or any DeepSpeed config), on CPU or GPU.
+
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --deepspeed ds_configs/hf_lins.json \\
+        --output_dir out --max_steps 20 --per_device_train_batch_size 4 --save_steps 10
+
+The only Lins-specific line is ``import lins_ds``. The text is generated here (arithmetic facts),
+tokenised as bytes, so nothing is downloaded. Rank 0 writes ``<output_dir>/losses.json``.
+"""
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine for configs with a "lins" block)
+
+
+@dataclass
+class ModelArguments:
+    seq_len: int = field(default=64)
+    hidden_size: int = field(default=64)
+    layers: int = field(default=2)
+    samples: int = field(default=512, metadata={"help": "training sequences to generate"})
+
+
+def make_text(n_lines: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        lines.append(f"{a} plus {b} is {a + b}. ")
+    return "".join(lines)
+
+
+class ByteBlocks(torch.utils.data.Dataset):
+    """Consecutive blocks of ``seq_len`` UTF-8 bytes; labels are the inputs (causal LM)."""
+
+    def __init__(self, text: str, seq_len: int, samples: int):
+        data = torch.tensor(list(text.encode()), dtype=torch.long)
+        self.blocks = data[: samples * seq_len].view(samples, seq_len)
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+def build_model(m: ModelArguments):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=m.hidden_size, intermediate_size=m.hidden_size * 3,
+                                   num_hidden_layers=m.layers, num_attention_heads=4, num_key_value_heads=4,
+                                   max_position_embeddings=m.seq_len)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def main():
+    model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
+    transformers.set_seed(args.seed)
+    model = build_model(model_args)
+    data = ByteBlocks(make_text(model_args.samples * model_args.seq_len // 12 + 10), model_args.seq_len,
+                      model_args.samples)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        logs = [{k: h[k] for k in ("step", "loss", "grad_norm", "learning_rate") if k in h}
+                for h in trainer.state.log_history if "loss" in h]
+        with open(os.path.join(args.output_dir, "losses.json"), "w") as f:
+            json.dump({"world_size": args.world_size, "engine": type(trainer.model_wrapped).__name__, "log": logs}, f)
+
+
+if __name__ == "__main__":
+    main()
