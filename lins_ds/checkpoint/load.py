@@ -106,6 +106,7 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
     meta = read_meta(path)
     check_model(meta, engine.module, load_module_strict)
     opt, reader = engine.optimizer, ShardReader(path, meta["index"])
+    engine.lins.executor.wait_param_sync()  # an in-flight P-sync must not overwrite what we load
     with_state = load_optimizer_states and not load_module_only
     if with_state and meta["optimizer"] != type(opt.optimizer).__name__:
         raise LinsCheckpointError(f"load_checkpoint: optimizer state is {meta['optimizer']}'s, this engine uses "

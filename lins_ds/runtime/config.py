@@ -34,6 +34,7 @@ class LinsConfig:
     profile_cache: Optional[str] = None  # directory of cached measured profiles
     grad_reduce_dtype: Optional[str] = None
     unit_modules: Optional[tuple] = None
+    overlap_param_sync: bool = True  # the paper switches this off for its comparisons
 
     @property
     def solve(self) -> bool:
@@ -131,6 +132,7 @@ def parse_lins_config(block) -> LinsConfig:
     _check_type("profile_cache", b.get("profile_cache"), (str,), "a directory path or null")
     if b.get("grad_reduce_dtype") not in (None,) + DTYPES:
         raise LinsConfigError(f"lins.grad_reduce_dtype: {b['grad_reduce_dtype']!r} is not one of {DTYPES} or null")
+    _check_type("overlap_param_sync", b.get("overlap_param_sync", True), (bool,), "true or false", nullable=False)
     units = b.get("unit_modules")
     if units is not None and (not isinstance(units, list) or not units or not all(isinstance(u, str) for u in units)):
         raise LinsConfigError(f"lins.unit_modules: {units!r} is not a non-empty list of module class names")
@@ -142,6 +144,7 @@ def parse_lins_config(block) -> LinsConfig:
         seq_len=b.get("seq_len"), model=b.get("model"), cluster=cluster,
         profile=profile, profile_cache=b.get("profile_cache"),
         grad_reduce_dtype=b.get("grad_reduce_dtype"), unit_modules=None if units is None else tuple(units),
+        overlap_param_sync=b.get("overlap_param_sync", True),
     )
 
 

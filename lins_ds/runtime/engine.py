@@ -80,7 +80,7 @@ class LinsEngine(DeepSpeedEngine):
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
         plan = self._make_plan(param_dtype, accum_dtype)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
-                                self.lins_config.unit_modules)
+                                self.lins_config.unit_modules, self.lins_config.overlap_param_sync)
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
@@ -110,6 +110,16 @@ class LinsEngine(DeepSpeedEngine):
         return plan
 
     # --- gradient flow ------------------------------------------------------------------------
+    def _backward_prologue(self):
+        # the replica AllReduce of the boundary micro-batch starts during its backward
+        self.lins.executor.boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
+        super()._backward_prologue()
+
+    def get_global_grad_norm(self) -> float:
+        """The last step's global gradient norm (kept on the device until asked for)."""
+        norm = self._global_grad_norm
+        return norm.item() if torch.is_tensor(norm) else norm
+
     def _backward_epilogue(self):
         self.lins.post_backward()
         super()._backward_epilogue()

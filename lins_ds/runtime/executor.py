@@ -1,24 +1,33 @@
-"""Hooks that run a Lins plan inside forward and backward (DESIGN §3, steps 1-3).
+"""Hooks that run a Lins plan inside forward and backward (DESIGN §3), with communication overlapped.
 
-Forward:  a layer unit is gathered before its module runs (s_p > 1) and released after it, unless the
-          forward is a recompute inside backward (activation checkpointing). The root unit is gathered
-          before the model runs and kept until the end of backward.
-Backward: hooks on a layer's outputs re-gather it before its backward; when every parameter of a unit
-          has its gradient, the unit is reduced: ReduceScatter into the G chunk (s_g > 1) or local
-          accumulation (s_g = 1). The root unit is reduced at the end of backward.
-Boundary: AllReduce of each G chunk over its replica group (``reduce_replicas``).
+Forward:  a layer unit is gathered before its module runs (s_p > 1) while the next layer's gather is
+          already in flight (prefetch); it is released after its forward unless that forward is a
+          recompute inside backward (activation checkpointing). The root unit is gathered before the
+          model runs and kept until the end of backward.
+Backward: hooks on a layer's outputs re-gather it (and prefetch the layer before it); when every
+          parameter of a unit has its gradient, the unit's ReduceScatter (s_g > 1) is launched
+          asynchronously and accumulated into the G chunk when it completes, two units later at most;
+          on the accumulation-boundary micro-batch each G chunk's replica AllReduce is launched as soon
+          as the chunk is final, so it overlaps the rest of backward.
+After the optimizer: each unit's P-sync AllGather is launched asynchronously and waited for by that
+          unit's next use (broadcast-forward overlap, ``lins.overlap_param_sync``).
 
-Collectives are synchronous for now; every call site is per unit, which is where side streams and
-prefetch attach on GPUs.
+Async collectives return handles (``Work``); ``wait()`` orders the current CUDA stream after them
+without blocking the host, and on gloo waits for the background thread. Every rank issues the same
+collectives in the same order, which the ordering of these hooks guarantees for a static graph.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from . import comm
 from .units import FlatUnit, UnitState
+
+IN_FLIGHT_RS = 2  # ReduceScatters allowed in flight before the oldest is accumulated
 
 
 def in_backward() -> bool:
@@ -27,13 +36,16 @@ def in_backward() -> bool:
 
 class Executor:
     def __init__(self, module: torch.nn.Module, root, layers: list, groups: comm.Groups,
-                 reduce_dtype: torch.dtype):
+                 reduce_dtype: torch.dtype, overlap_param_sync: bool = True):
         self.module, self.root, self.layers, self.groups = module, root, layers, groups
         self.units = ([root] if root is not None else []) + layers
-        self.reduce_dtype = reduce_dtype
-        self.world = groups.topo.world_size
+        self.position = {id(u): i for i, u in enumerate(layers)}
+        self.reduce_dtype, self.overlap_param_sync = reduce_dtype, overlap_param_sync
+        self.boundary = False  # set by the engine before each backward
         self._handles = []
-        self._staging = None
+        self._pending_rs: deque = deque()  # (work, out, staging, unit)
+        self._pending_ar: list = []  # (work, unit, tmp or None)
+        self._free_staging: list = []
         self._register()
 
     # --- hooks -----------------------------------------------------------------------------
@@ -43,12 +55,11 @@ class Executor:
         h.append(self.module.register_forward_hook(self._root_post_forward))
         for unit in self.layers:
             for m in unit.modules:
-                h.append(m.register_forward_pre_hook(lambda mod, args, u=unit: self.gather(u)))
+                h.append(m.register_forward_pre_hook(lambda mod, args, u=unit: self._layer_pre_forward(u)))
                 h.append(m.register_forward_hook(lambda mod, args, out, u=unit: self._layer_post_forward(u, out)))
         for unit in self.units:
             for slot in unit.slots:
-                h.append(slot.param.register_post_accumulate_grad_hook(
-                    lambda p, u=unit: self._on_grad(u, p)))
+                h.append(slot.param.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad(u, p)))
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -66,6 +77,17 @@ class Executor:
         if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
             self.root.release()  # no backward will follow
 
+    def _neighbour(self, unit: FlatUnit, step: int):
+        i = self.position.get(id(unit))
+        j = None if i is None else i + step
+        return self.layers[j] if j is not None and 0 <= j < len(self.layers) else None
+
+    def _layer_pre_forward(self, unit: FlatUnit):
+        self.gather(unit)
+        nxt = self._neighbour(unit, -1 if in_backward() else 1)
+        if nxt is not None:
+            self.prefetch(nxt)
+
     def _layer_post_forward(self, unit: FlatUnit, out):
         if not unit.sharded_p:
             return
@@ -74,19 +96,56 @@ class Executor:
         tensors, _ = tree_flatten(out)
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda grad, u=unit: (self.gather(u), grad)[1])
+                t.register_hook(lambda grad, u=unit: (self._pre_backward(u), grad)[1])
 
-    # --- P: gather and release -------------------------------------------------------------
-    def gather(self, unit: FlatUnit) -> None:
-        if unit.state is UnitState.GATHERED:
+    def _pre_backward(self, unit: FlatUnit):
+        self.gather(unit)
+        prev = self._neighbour(unit, -1)
+        if prev is not None:
+            self.prefetch(prev)
+
+    # --- P: gather, prefetch, release; P-sync ------------------------------------------------------
+    def _wait_sync(self, unit: FlatUnit) -> None:
+        if unit.sync_work is not None:
+            unit.sync_work.wait()
+            unit.sync_work = None
+
+    def prefetch(self, unit: FlatUnit) -> None:
+        """Launch the unit's AllGather without waiting (a no-op unless it is sharded and released)."""
+        self._wait_sync(unit)
+        if unit.state is not UnitState.SHARDED:
             return
         full = unit.materialise()
-        comm.all_gather(self.groups, "p", full, unit.p_shard)
-        unit.state = UnitState.GATHERED
+        unit.gather_work = comm.all_gather(self.groups, "p", full, unit.p_shard, async_op=True)
+        unit.state = UnitState.GATHERING
+
+    def gather(self, unit: FlatUnit) -> None:
+        """Make the unit's full parameters current and usable on this stream."""
+        self._wait_sync(unit)
+        if unit.state is UnitState.SHARDED:
+            self.prefetch(unit)
+        if unit.state is UnitState.GATHERING:
+            if unit.gather_work is not None:
+                unit.gather_work.wait()
+            unit.gather_work = None
+            unit.state = UnitState.GATHERED
 
     def release_all(self) -> None:
         for unit in self.units:
+            if unit.state is UnitState.GATHERING:
+                self.gather(unit)  # never free memory a collective still writes into
             unit.release()
+
+    def launch_param_sync(self) -> None:
+        """After the optimizer: every unit's P chunk from the OS chunks of its P-sync group."""
+        for unit in self.units:
+            work = comm.all_gather(self.groups, "p_sync", unit.p_storage, unit.os_params(),
+                                   async_op=self.overlap_param_sync)
+            unit.sync_work = work if self.overlap_param_sync else None
+
+    def wait_param_sync(self) -> None:
+        for unit in self.units:
+            self._wait_sync(unit)
 
     # --- G: reduction -----------------------------------------------------------------------
     def _on_grad(self, unit: FlatUnit, param) -> None:
@@ -94,30 +153,58 @@ class Executor:
         if unit is not self.root and len(unit.pending) == len(unit.slots):
             self.reduce_unit(unit)
 
-    def _staging_buffer(self, n: int) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < n:
-            size = max(u.spec.padded for u in self.units)
-            self._staging = torch.empty(size, dtype=self.reduce_dtype, device=self.units[0].device)
-        return self._staging[:n]
+    def _staging(self) -> torch.Tensor:
+        if self._free_staging:
+            return self._free_staging.pop()
+        size = max(u.spec.padded for u in self.units)
+        return torch.empty(size, dtype=self.reduce_dtype, device=self.units[0].device)
 
     def reduce_unit(self, unit: FlatUnit) -> None:
-        """Move the unit's fresh gradients into its G accumulation (ReduceScatter when s_g > 1)."""
-        flat = self._staging_buffer(unit.spec.padded)
+        """Move the unit's fresh gradients towards its G accumulation: ReduceScatter launched now
+        and accumulated later when s_g > 1, local accumulation when s_g = 1."""
+        staging = self._staging()
+        flat = staging[:unit.spec.padded]
         flat.zero_()
         for s in unit.slots:
             if s.param.grad is not None:
                 flat[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
                 s.param.grad = None
-        if unit.sharded_g:
-            out = torch.empty(unit.spec.g_size, dtype=self.reduce_dtype, device=unit.device)
-            comm.reduce_scatter(self.groups, "g", out, flat)
-            unit.g_acc.add_(out)
-        else:
-            unit.g_acc.add_(flat)
         unit.pending.clear()
         unit.reduced = True
         if unit is not self.root:
             unit.release()
+        if unit.sharded_g:
+            out = torch.empty(unit.spec.g_size, dtype=self.reduce_dtype, device=unit.device)
+            work = comm.reduce_scatter(self.groups, "g", out, flat, async_op=True)
+            self._pending_rs.append((work, out, staging, unit))
+            self._drain_rs(keep=IN_FLIGHT_RS)
+        else:
+            unit.g_acc.add_(flat)
+            self._free_staging.append(staging)
+            self._after_accumulate(unit)
+
+    def _drain_rs(self, keep: int = 0) -> None:
+        while len(self._pending_rs) > keep:
+            work, out, staging, unit = self._pending_rs.popleft()
+            if work is not None:
+                work.wait()
+            unit.g_acc.add_(out)
+            self._free_staging.append(staging)
+            self._after_accumulate(unit)
+
+    def _after_accumulate(self, unit: FlatUnit) -> None:
+        """On the boundary micro-batch a G chunk is final now: start its replica AllReduce."""
+        if self.boundary:
+            self._launch_replica_reduce(unit)
+
+    def _launch_replica_reduce(self, unit: FlatUnit) -> None:
+        if unit.replica_reduced or self.groups.size("g_replica") == 1:
+            unit.replica_reduced = True
+            return
+        tmp = None if unit.g_acc.dtype == self.reduce_dtype else unit.g_acc.to(self.reduce_dtype)
+        work = comm.all_reduce(self.groups, "g_replica", unit.g_acc if tmp is None else tmp, async_op=True)
+        self._pending_ar.append((work, unit, tmp))
+        unit.replica_reduced = True
 
     def post_backward(self) -> None:
         """End of one backward: reduce every unit not reduced yet (the root unit; units with unused
@@ -126,16 +213,22 @@ class Executor:
             if not unit.reduced:
                 self.reduce_unit(unit)
             unit.reduced = False
+        self._drain_rs()
         self.release_all()
 
     def reduce_replicas(self) -> None:
-        """Accumulation boundary: AllReduce every G chunk over its replica group."""
+        """Accumulation boundary: every G chunk all-reduced over its replica group (launched during the
+        last backward where possible), and waited for."""
+        self._drain_rs()
         for unit in self.units:
-            if self.groups.size("g_replica") == 1:
-                return
-            if unit.g_acc.dtype == self.reduce_dtype:
-                comm.all_reduce(self.groups, "g_replica", unit.g_acc)
-            else:
-                tmp = unit.g_acc.to(self.reduce_dtype)
-                comm.all_reduce(self.groups, "g_replica", tmp)
+            self._launch_replica_reduce(unit)
+        for work, unit, tmp in self._pending_ar:
+            if work is not None:
+                work.wait()
+            if tmp is not None:
                 unit.g_acc.copy_(tmp)
+        self._pending_ar.clear()
+
+    def reset_boundary(self) -> None:
+        for unit in self.units:
+            unit.replica_reduced = False

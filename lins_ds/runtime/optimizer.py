@@ -88,30 +88,31 @@ class LinsOptimizer(ZeROOptimizer):
             for s in unit.slots:
                 s.param.grad = None
 
-    def _grad_norm(self, scale: float) -> float:
-        """Global L2 norm of the true (unscaled, averaged) gradient; each element counted once."""
+    def _grad_norm(self, inv_scale: float) -> torch.Tensor:
+        """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""
         rt = self.runtime
-        sq = torch.zeros(1, dtype=torch.float32, device=rt.device)
+        sq = torch.zeros((), dtype=torch.float32, device=rt.device)
         for unit in rt.units:
             sq += unit.os_grad().float().pow(2).sum()
         comm.all_reduce(None, "world", sq)  # every OS chunk is held by world/s_os replicas
-        return math.sqrt(max(sq.item(), 0.0) / rt.os_replicas) / scale if math.isfinite(sq.item()) else math.inf
+        return (sq / rt.os_replicas).sqrt() * inv_scale
 
     @torch.no_grad()
     def step(self, closure=None):
+        """No host synchronisation except for fp16, whose overflow decides on the host whether to step."""
         rt = self.runtime
         rt.finish_reduction()
-        scale = rt.topo.world_size * self.cur_scale
-        norm = self._grad_norm(scale)
-        self.overflow = self.loss_scaler is not None and not math.isfinite(norm)
+        inv_scale = 1.0 / (rt.topo.world_size * self.cur_scale)
+        norm = self._grad_norm(inv_scale)
         if self.loss_scaler is not None:
+            self.overflow = not math.isfinite(norm.item())
             self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            rt.zero_gradients()
-            return
-        coef = 1.0 / scale
-        if self.clip > 0 and norm > self.clip:
-            coef *= self.clip / (norm + 1e-6)
+            if self.overflow:
+                rt.zero_gradients()
+                return
+        coef = torch.full((), inv_scale, dtype=torch.float32, device=rt.device)
+        if self.clip > 0:
+            coef = coef * (self.clip / (norm + 1e-6)).clamp(max=1.0)
         for s in self.slices:
             g = s.grad_view()
             s.param.grad = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)

@@ -12,7 +12,7 @@ from .units import assign_units, build_unit
 
 class LinsRuntime:
     def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, unit_modules=None):
+                 reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True):
         self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
         self.groups = comm.Groups(self.topo, self.layout)
         group_of = {}
@@ -25,7 +25,8 @@ class LinsRuntime:
         root = units[0] if units and units[0].name == "root" else None
         self.units = units
         self.device = units[0].device if units else torch.device("cpu")
-        self.executor = Executor(module, root, units[1:] if root is not None else units, self.groups, reduce_dtype)
+        self.executor = Executor(module, root, units[1:] if root is not None else units, self.groups, reduce_dtype,
+                                 overlap_param_sync)
         self.os_replicas = self.topo.world_size // self.layout.os.size
         self._replicas_reduced = False
 
@@ -48,14 +49,15 @@ class LinsRuntime:
 
     @torch.no_grad()
     def sync_parameters(self) -> None:
-        """After the update: gather each P chunk from the OS chunks of its P-sync group."""
-        for unit in self.units:
-            comm.all_gather(self.groups, "p_sync", unit.p_storage, unit.os_params())
-        self.executor.release_all()
+        """After the update: gather each P chunk from the OS chunks of its P-sync group (asynchronously
+        when overlapping; each unit's next use waits for its own gather)."""
+        self.executor.release_all()  # gathered copies are stale now
+        self.executor.launch_param_sync()
 
     def zero_gradients(self) -> None:
         for unit in self.units:
             unit.g_acc.zero_()
+        self.executor.reset_boundary()
         self._replicas_reduced = False
 
     def destroy(self) -> None:

@@ -24,6 +24,7 @@ ALIGN = 64  # elements; keeps every chunk 128-byte aligned in 16-bit dtypes
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"  # only the P chunk is materialised (s_p > 1)
+    GATHERING = "gathering"  # an AllGather into the full buffer is in flight (prefetch)
     GATHERED = "gathered"  # the full buffer is materialised; parameters are views into it
 
 
@@ -86,6 +87,9 @@ class FlatUnit:
         self.state = UnitState.GATHERED
         self.pending: set = set()  # params whose grad arrived in this backward
         self.reduced = False  # reduced in the current backward
+        self.replica_reduced = False  # replica AllReduce launched in this accumulation window
+        self.gather_work = None  # in-flight P AllGather (prefetch)
+        self.sync_work = None  # in-flight P-sync AllGather after the optimizer step
         if self.sharded_p:
             self.release()
 
