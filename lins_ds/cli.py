@@ -121,6 +121,12 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lins-ds", description="Lins: independent P/G/OS sharding for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -151,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     c.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of this size")
     c.set_defaults(func=cmd_consolidate)
+    b = sub.add_parser("bench", help="every DeepSpeed mode and Lins side by side (GPUs; one command)")
+    from .bench import add_arguments
+
+    add_arguments(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -11,6 +11,7 @@ falls within a few dozen steps. Rank 0 prints a line per step and, with --out, w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -57,6 +58,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the timing summary")
     p.add_argument("--gpus-per-node", type=int, help="emulate nodes of this many GPUs on one host")
+    p.add_argument("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu")
+    p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
+    p.add_argument("--lins-memory-gb", type=float, help="override lins.gpu_memory_gb (the solver's budget)")
+    p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1)
@@ -74,12 +79,20 @@ def main(argv=None) -> dict:
     import deepspeed
     from deepspeed import comm as dist
 
-    from .integrations.baselines import emulate_nodes, model_init_context
+    from .integrations.baselines import emulate_nodes, model_init_context, zero_stage
 
     args = parse_args(argv)
     if not args.deepspeed_config:
         raise SystemExit("train_llama: --deepspeed_config is required")
     ds_config = load_config(args.deepspeed_config)
+    if args.micro_batch_size:
+        ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+        ds_config.pop("train_batch_size", None)
+    if args.grad_accum:
+        ds_config["gradient_accumulation_steps"] = args.grad_accum
+        ds_config.pop("train_batch_size", None)
+    if args.lins_memory_gb and isinstance(ds_config.get("lins"), dict):
+        ds_config["lins"] = {**ds_config["lins"], "gpu_memory_gb": args.lins_memory_gb}
     if args.gpus_per_node:
         ds_config = emulate_nodes(ds_config, args.gpus_per_node)
     deepspeed.init_distributed()
@@ -90,14 +103,17 @@ def main(argv=None) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     torch.manual_seed(args.seed)
-    with model_init_context(ds_config):
-        model = build_model(args.model, args.seq_len)
+    with model_init_context(ds_config), (device if zero_stage(ds_config) < 3 else contextlib.nullcontext()):
+        model = build_model(args.model, args.seq_len)  # built on the device: fast, same values per seed
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     mb, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     data = batches(model.config.vocab_size, args.seq_len, mb, args.seed + rank, device)
 
     losses, times = [], []
+    tracer = trace(args, rank, cuda)
     for step in range(args.steps):
+        if tracer is not None and step == args.warmup_steps:
+            tracer.__enter__()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -115,6 +131,10 @@ def main(argv=None) -> dict:
         losses.append(total.item() / world)
         if rank == 0:
             print(f"step {step + 1:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms", flush=True)
+        if tracer is not None and step == args.warmup_steps + 1:
+            tracer.__exit__(None, None, None)
+            write_trace_summary(tracer, args.trace_summary, cuda)
+            tracer = None
 
     summary = summarize(args, engine, model, losses, times, world, mb * gas, cuda)
     if rank == 0 and args.out:
@@ -123,6 +143,23 @@ def main(argv=None) -> dict:
             json.dump(summary, f, indent=1)
     engine.destroy()
     return summary
+
+
+def trace(args, rank, cuda):
+    if not args.trace_summary or rank != 0 or args.steps < args.warmup_steps + 2:
+        return None
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    return torch.profiler.profile(activities=acts)
+
+
+def write_trace_summary(prof, path: str, cuda: bool) -> None:
+    """Top operators of two profiled steps by device (or CPU) time: where a step's time goes,
+    NCCL kernels included, to explain a missed target from a measurement rather than a guess."""
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=30)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(table)
 
 
 def summarize(args, engine, model, losses, times, world, samples_per_gpu, cuda) -> dict:

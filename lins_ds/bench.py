@@ -1,0 +1,158 @@
+"""``lins-ds bench``: every mode side by side in one invocation, on one host and as emulated nodes.
+
+Each mode is one ``python -m lins_ds.train_llama`` run (same model, seed, batch and steps) launched by
+torchrun; its JSON summary is collected here. Reported per topology and mode: tokens/GPU/s, MFU,
+median step, peak memory, exposed communication (step time minus the no-communication limit: the
+same per-GPU work on one GPU alone), Lins' plan and predicted communication, and ratios to the best
+DeepSpeed mode and to the limit. Writes ``bench.json``, ``throughput.png`` and ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+BASELINES = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics")
+TOPOLOGIES = {"host": None, "emulated": 1}  # GPUs per (virtual) node; None = the real host
+CONFIG_OF = {"nocomm": "zero0", "lins-budget": "lins"}  # modes that reuse another mode's config
+
+
+def run_mode(args, topo: str, mode: str, nproc: int, out_dir: str, steps: int, extra=()) -> dict:
+    out = os.path.join(out_dir, f"{topo}_{mode}.json")
+    config = os.path.join(args.configs, CONFIG_OF.get(mode, mode) + ".json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(29400 + hash((topo, mode)) % 500), "-m", "lins_ds.train_llama", "--deepspeed_config", config,
+           "--model", args.model, "--seq-len", str(args.seq_len), "--steps", str(steps), "--warmup-steps",
+           str(args.warmup_steps), "--micro-batch-size", str(args.micro_batch_size), "--grad-accum",
+           str(args.grad_accum), "--out", out, *extra]
+    if TOPOLOGIES[topo]:
+        cmd += ["--gpus-per-node", str(TOPOLOGIES[topo])]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    if TOPOLOGIES[topo]:
+        env.update(NCCL_SOCKET_NTHREADS="4", NCCL_NSOCKS_PERTHREAD="4")  # DESIGN §7's tuned sockets
+    t0 = time.time()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0 or not os.path.exists(out):
+        tail = (r.stdout + r.stderr)[-1500:]
+        print(f"[bench] {topo}/{mode} failed:\n{tail}", flush=True)
+        return {"mode": mode, "topology": topo, "failed": True, "error": tail}
+    with open(out) as f:
+        res = json.load(f)
+    res.update(mode=mode, topology=topo, wall_s=time.time() - t0)
+    print(f"[bench] {topo:8s} {mode:12s} {res['tokens_per_gpu_s']:9.0f} tok/GPU/s  step {res['median_step_s']:.3f} s "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return res
+
+
+def analyse(results: list, nocomm: dict, budget_gb) -> dict:
+    table = {}
+    for topo in TOPOLOGIES:
+        rows = [r for r in results if r["topology"] == topo and not r.get("failed")]
+        if not rows:
+            continue
+        base = [r for r in rows if r["mode"] in BASELINES]
+        best = max(base, key=lambda r: r["tokens_per_gpu_s"]) if base else None
+        for r in rows:
+            r["exposed_comm_s"] = r["median_step_s"] - nocomm["median_step_s"] if nocomm else None
+            r["vs_best_deepspeed"] = r["tokens_per_gpu_s"] / best["tokens_per_gpu_s"] if best else None
+            r["vs_no_comm_limit"] = r["tokens_per_gpu_s"] / nocomm["tokens_per_gpu_s"] if nocomm else None
+            r["within_budget"] = None if budget_gb is None or r.get("peak_memory_gb") is None else \
+                r["peak_memory_gb"] <= budget_gb
+            r["predicted_comm_s"] = r["plan"]["predicted_comm_s"] if r.get("plan") else None
+        table[topo] = {"best_deepspeed": best["mode"] if best else None, "rows": rows}
+    return table
+
+
+def print_table(table: dict, nocomm: dict) -> None:
+    if nocomm:
+        print(f"no-communication limit: {nocomm['tokens_per_gpu_s']:.0f} tokens/GPU/s, step {nocomm['median_step_s']:.3f} s")
+    for topo, t in table.items():
+        print(f"\n{topo} (best DeepSpeed mode: {t['best_deepspeed']})")
+        print(f"{'mode':<12}{'tok/GPU/s':>11}{'MFU':>7}{'step s':>8}{'peak GiB':>9}{'exposed s':>10}"
+              f"{'pred s':>8}{'vs best':>8}{'vs limit':>9}  plan")
+        for r in t["rows"]:
+            plan = r.get("plan")
+            layout = "" if not plan else " ".join(f"{s}={plan[s]['intra']}x{plan[s]['inter']}" for s in ("p", "g", "os"))
+            fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+            print(f"{r['mode']:<12}{r['tokens_per_gpu_s']:>11.0f}{fmt(r.get('mfu') and 100 * r['mfu'], '6.1f'):>7}"
+                  f"{r['median_step_s']:>8.3f}{fmt(r.get('peak_memory_gb'), '9.1f'):>9}"
+                  f"{fmt(r.get('exposed_comm_s'), '10.3f'):>10}{fmt(r.get('predicted_comm_s'), '8.3f'):>8}"
+                  f"{fmt(r.get('vs_best_deepspeed'), '8.2f'):>8}{fmt(r.get('vs_no_comm_limit'), '9.2f'):>9}  {layout}")
+
+
+def plot(table: dict, results: list, out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(table), figsize=(6 * len(table), 4), squeeze=False)
+    for ax, (topo, t) in zip(axes[0], table.items()):
+        rows = t["rows"]
+        ax.bar([r["mode"] for r in rows], [r["tokens_per_gpu_s"] for r in rows],
+               color=["tab:red" if r["mode"].startswith("lins") else "tab:gray" for r in rows])
+        ax.set_title(f"{topo}: tokens / GPU / s")
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "throughput.png"), dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if r.get("losses") and len(r["losses"]) >= 20:
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['topology']}/{r['mode']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
+
+
+def main(args) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    import torch
+
+    ngpu = args.nproc or max(1, torch.cuda.device_count())
+    results, nocomm = [], None
+    if args.no_comm_limit:
+        nocomm = run_mode(args, "host", "nocomm", 1, args.out, args.steps)
+        nocomm = None if nocomm.get("failed") else nocomm
+    for topo in args.topologies.split(","):
+        for mode in args.modes.split(","):
+            if topo == "emulated" and mode in ("mics", "zeropp") and TOPOLOGIES[topo] == 1:
+                continue  # node-sized groups of one GPU: MiCS degenerates, hpZ equals ZeRO-3
+            long = mode in ("zero1", "lins") and topo == args.loss_topology
+            results.append(run_mode(args, topo, mode, ngpu, args.out, args.loss_steps if long else args.steps))
+            with open(os.path.join(args.out, "partial.json"), "w") as f:  # survives a run cut short
+                json.dump(results, f)
+        if args.memory_budget_gb and topo == "host":
+            results.append(run_mode(args, topo, "lins-budget", ngpu, args.out, args.steps,
+                                    ["--lins-memory-gb", str(args.memory_budget_gb), "--trace-summary",
+                                     os.path.join(args.out, "trace_lins_budget.txt")]))
+    table = analyse(results, nocomm, args.memory_budget_gb)
+    print_table(table, nocomm)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"command": " ".join(sys.argv), "no_comm_limit": nocomm, "table": table,
+                   "memory_budget_gb": args.memory_budget_gb}, f, indent=1)
+    plot(table, results + ([nocomm] if nocomm else []), args.out)
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="1b")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--loss-steps", type=int, default=50, help="steps for the Lins and ZeRO-1 loss curves")
+    p.add_argument("--loss-topology", default="host")
+    p.add_argument("--modes", default="zero0,zero1,zero2,zero3,zeropp,mics,lins")
+    p.add_argument("--topologies", default="host,emulated")
+    p.add_argument("--memory-budget-gb", type=float, help="also run Lins under this solver budget")
+    p.add_argument("--no-comm-limit", action="store_true", default=True)
+    p.add_argument("--nproc", type=int, help="GPUs to use (default: all visible)")
+    p.add_argument("--configs", default="ds_configs")
+    p.add_argument("--out", default="bench/out")
