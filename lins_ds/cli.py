@@ -34,6 +34,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient communication dtype (default: --dtype)")
     p.add_argument("--reserved-gb", type=float, default=2.0, help="CUDA context + communicator buffers, GiB")
     p.add_argument("--fragmentation", type=float, default=0.05, help="allocator margin, fraction")
+    p.add_argument("--objective", default="comm", choices=["comm", "step"],
+                   help="comm: communication + recompute (the paper's); step: also the optimizer update")
     p.add_argument("--format", default="table", choices=["table", "json"])
 
 
@@ -46,12 +48,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.profile:
         table = P.ProfileTable.load(args.profile)
         compute = P.ComputeSpec(float(table.meta.get("peak_tflops", 312.0)),
-                                float(table.meta.get("achievable_mfu", 0.5)))
+                                float(table.meta.get("achievable_mfu", 0.5)),
+                                float(table.meta.get("memory_bandwidth_gbs", 1200.0)))
         capacity = args.gpu_memory_gb or table.meta.get("gpu_memory_gb")
     else:
         cluster = P.get_cluster(args.cluster or "a800-ib")
         table = cluster.table(cost.required_meshes(topo, P.candidates(topo)))
-        compute = P.ComputeSpec(cluster.peak_tflops, cluster.achievable_mfu)
+        compute = cluster.compute()
         capacity = args.gpu_memory_gb if args.gpu_memory_gb is not None else cluster.gpu_memory_gb
     if capacity is None:
         raise P.PlanError("--gpu-memory-gb: required when the profile does not record the GPU memory")
@@ -59,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            args.grad_accum_dtype, args.grad_reduce_dtype, activation_checkpointing=args.ckpt)
     mem = P.MemorySpec(capacity, args.reserved_gb, args.fragmentation)
     try:
-        sol = P.solve(model, topo, train, mem, table, compute)
+        sol = P.solve(model, topo, train, mem, table, compute, objective=args.objective)
     except P.NoFeasiblePlan as e:
         if args.format == "json":
             print(json.dumps({"error": str(e), "smallest_plan": e.smallest.layout.to_json(),

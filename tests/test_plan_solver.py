@@ -127,3 +127,12 @@ def test_paper_30b_keeps_p_inside_a_node_and_shards_os_across_nodes():
 def test_more_optimizer_sharding_with_bigger_models():
     sizes = [_paper(m).plan.layout.sharding() for m in ("llama-7b", "llama-13b", "llama-30b")]
     assert sizes[0][2] <= sizes[1][2] <= sizes[2][2]
+
+
+def test_step_objective_prices_the_optimizer_update():
+    topo = Topology(1, 2)
+    args = (BUILTIN_MODELS["llama-1b"], topo, TrainingSpec(2048, 2, 2), MemorySpec(139), _table(topo, "h200-emulated"),
+            get_cluster("h200-emulated").compute())
+    comm, step = solve(*args), solve(*args, objective="step")
+    assert step.best.optimizer_s > 0 and step.plan.layout.os.size >= comm.plan.layout.os.size
+    assert step.best.objective_s == pytest.approx(step.best.comm_s + step.best.optimizer_s)

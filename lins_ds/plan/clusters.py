@@ -29,12 +29,18 @@ class ClusterModel:
     gpu_memory_gb: float
     peak_tflops: float  # dense bf16
     achievable_mfu: float  # compute efficiency the planner assumes for recompute cost
+    memory_bandwidth_gbs: float  # what an element-wise optimizer update achieves (~60 % of HBM peak)
     intra_busbw: dict  # op -> GB/s
     inter_busbw_per_gpu: dict  # op -> GB/s, a GPU's share of its node's network
     step_latency_intra_s: float = 2e-6  # one ring step over NVLink
     step_latency_inter_s: float = 8e-6  # one ring step over the network
     tree_latency_s: float = 15e-6  # per tree level (log2 nodes) of an inter-node AllReduce
     base_latency_s: float = 8e-6  # kernel launch and protocol start-up
+
+    def compute(self):
+        from .solver import ComputeSpec
+
+        return ComputeSpec(self.peak_tflops, self.achievable_mfu, self.memory_bandwidth_gbs)
 
     def busbw(self, op: str, mesh: Factor) -> float:
         if mesh.inter == 1:
@@ -74,7 +80,7 @@ CLUSTERS: dict[str, ClusterModel] = {
     # Intra-node busbw: typical nccl-tests figures for A800 NVLink (8 GPUs).
     "a800-ib": ClusterModel(
         "a800-ib", "8 x A800-80GB per node, NVLink, 4 x HDR 200 Gb/s IB per node, no SHARP",
-        gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312.0, achievable_mfu=0.55,
+        gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312.0, achievable_mfu=0.55, memory_bandwidth_gbs=1200.0,
         intra_busbw={"all_gather": 150.0, "reduce_scatter": 150.0, "all_reduce": 155.0, "broadcast": 150.0},
         inter_busbw_per_gpu={"all_gather": 10.0, "reduce_scatter": 10.0, "all_reduce": 11.0, "broadcast": 10.0},
     ),
@@ -82,7 +88,7 @@ CLUSTERS: dict[str, ClusterModel] = {
     # Measured busbw at 512 MiB: NVLink AR 312 / AG 265 / RS 262 / BC 362 GB/s; sockets 10.2 / 9.2 / 7.7 / 14.2.
     "h200-emulated": ClusterModel(
         "h200-emulated", "H200 host, virtual nodes over tuned loopback sockets (DESIGN §7)",
-        gpus_per_node=1, gpu_memory_gb=139, peak_tflops=989.0, achievable_mfu=0.35,
+        gpus_per_node=1, gpu_memory_gb=139, peak_tflops=989.0, achievable_mfu=0.35, memory_bandwidth_gbs=2900.0,
         intra_busbw={"all_gather": 265.0, "reduce_scatter": 262.0, "all_reduce": 312.0, "broadcast": 362.0},
         inter_busbw_per_gpu={"all_gather": 9.2, "reduce_scatter": 7.7, "all_reduce": 10.2, "broadcast": 14.2},
         step_latency_intra_s=3e-6, step_latency_inter_s=40e-6, tree_latency_s=60e-6,

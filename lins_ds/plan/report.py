@@ -29,6 +29,8 @@ def explain_loss(winner: Evaluation, other: Evaluation) -> str:
     """Why ``other`` lost to ``winner``: the terms where it is slower."""
     w, o = per_state(list(winner.collectives)), per_state(list(other.collectives))
     parts = [f"T_{k} {1e3 * (o[k] - w[k]):+.2f} ms" for k in ("p", "g", "os") if abs(o[k] - w[k]) > 1e-9]
+    if other.optimizer_s != winner.optimizer_s:
+        parts.append(f"optimizer {1e3 * (other.optimizer_s - winner.optimizer_s):+.2f} ms")
     if other.recompute_s != winner.recompute_s:
         parts.append(f"recompute {1e3 * (other.recompute_s - winner.recompute_s):+.2f} ms")
     delta = other.objective_s - winner.objective_s
@@ -49,6 +51,7 @@ def to_json(sol: Solution) -> dict:
         "headroom_gb": round(best.capacity_gb - best.memory.total_gb, 4),
         "predicted_comm_s_per_step": best.comm_s,
         "predicted_recompute_s_per_step": best.recompute_s,
+        "predicted_optimizer_s_per_step": best.optimizer_s,
         "predicted_s_per_state": per_state(list(best.collectives)),
         "collectives": [c.to_json() for c in best.collectives],
         "candidates_considered": sol.considered,
@@ -88,7 +91,8 @@ def to_table(sol: Solution) -> str:
                      f"{_bytes(c.nbytes):>11} x {c.calls:<4} {_ms(c.total_s)}")
     if not best.collectives:
         lines.append("    none (a single rank)")
-    lines += ["", f"  predicted communication: {_ms(best.comm_s).strip()} per step", "", "  memory per GPU:"]
+    lines += ["", f"  predicted communication: {_ms(best.comm_s).strip()} per step; optimizer update "
+              f"{_ms(best.optimizer_s).strip()}", "", "  memory per GPU:"]
     for k in TERMS:
         lines.append(f"    {k:<14}{_gib(best.memory.terms[k]):>12}")
     lines.append(f"    {'total':<14}{_gib(best.memory.total_gb):>12} of {best.capacity_gb:g} GiB "

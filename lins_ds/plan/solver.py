@@ -1,6 +1,8 @@
 """Solver: the fastest layout that fits (DESIGN §4). Enumerate every valid layout — a few hundred even
 at 1024 GPUs — and, unless the user fixed it, activation checkpointing on and off; drop what does not
-fit in memory; minimise predicted communication plus recompute time. Deterministic: ties go to the
+fit in memory; minimise the objective: ``"comm"`` (the paper's and the default) is predicted
+communication plus recompute; ``"step"`` adds the optimizer update, the one compute a layout changes
+(each rank updates 1/s_os of the model), which favours sharding OS when communication is cheap. Deterministic: ties go to the
 less sharded layout, then to the smaller layout in sort order, so every rank picks the same plan.
 """
 
@@ -33,14 +35,23 @@ class NoFeasiblePlan(PlanError):
 
 @dataclass(frozen=True)
 class ComputeSpec:
-    """How fast the GPU computes, to price the recompute of activation checkpointing."""
+    """How fast the GPU computes and streams memory: prices the recompute of activation
+    checkpointing and the optimizer update, which shrinks as OS is sharded further."""
 
     peak_tflops: float = 312.0
     achievable_mfu: float = 0.5
+    memory_bandwidth_gbs: float = 1200.0  # achieved by the element-wise optimizer update
 
     @property
     def flops_per_s(self) -> float:
         return self.peak_tflops * 1e12 * self.achievable_mfu
+
+
+def optimizer_seconds(model: ModelSpec, train: TrainingSpec, s_os: int, compute: ComputeSpec) -> float:
+    """The element-wise update of this rank's OS chunk is memory-bound: it reads the gradient (fp32),
+    reads and writes master and moments, and writes the parameter."""
+    touched = 4 + 2 * train.optimizer_bytes + (train.param_bytes if train.param_dtype != "fp32" else 0)
+    return touched * model.total_params() / s_os / (compute.memory_bandwidth_gbs * 1e9)
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,8 @@ class Evaluation:
     collectives: tuple
     recompute_s: float
     capacity_gb: float
+    optimizer_s: float = 0.0
+    objective: str = "comm"
 
     @property
     def comm_s(self) -> float:
@@ -58,7 +71,7 @@ class Evaluation:
 
     @property
     def objective_s(self) -> float:
-        return self.comm_s + self.recompute_s
+        return self.comm_s + self.recompute_s + (self.optimizer_s if self.objective == "step" else 0.0)
 
     @property
     def fits(self) -> bool:
@@ -118,15 +131,18 @@ class Solution:
     inputs: dict = field(default_factory=dict)
 
 
+OBJECTIVES = ("comm", "step")
+
+
 def evaluate(topo: Topology, layout: Layout, checkpointing: bool, model: ModelSpec, train: TrainingSpec,
-             mem: MemorySpec, table: ProfileTable, compute: ComputeSpec) -> Evaluation:
+             mem: MemorySpec, table: ProfileTable, compute: ComputeSpec, objective: str = "comm") -> Evaluation:
     colls = tuple(cost.timed(cost.schedule(topo, layout, cost.model_units(model), train), table))
     recompute = 0.0
     if checkpointing:  # one extra forward per micro-batch: a third of the training FLOPs
         tokens = train.tokens_per_micro_batch * train.grad_accum
         recompute = tokens * model.flops_per_token(train.seq_len) / 3 / compute.flops_per_s
     return Evaluation(layout, checkpointing, memory(model, train, mem, layout, checkpointing), colls,
-                      recompute, mem.capacity_gb)
+                      recompute, mem.capacity_gb, optimizer_seconds(model, train, layout.os.size, compute), objective)
 
 
 def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
@@ -138,13 +154,16 @@ def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
 
 
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
-          compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None) -> Solution:
+          compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None, objective: str = "comm") -> Solution:
     """The fastest fitting plan; raises NoFeasiblePlan naming the smallest plan and its deficit."""
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective: {objective!r} is not one of {OBJECTIVES}")
     t0 = time.perf_counter()
     layouts = candidates(topo) if layouts is None else layouts
     check_profile_covers(topo, layouts, table)
     ckpt_options = [train.activation_checkpointing] if train.activation_checkpointing is not None else [False, True]
-    evals = [evaluate(topo, lay, ck, model, train, mem, table, compute) for lay in layouts for ck in ckpt_options]
+    evals = [evaluate(topo, lay, ck, model, train, mem, table, compute, objective)
+             for lay in layouts for ck in ckpt_options]
     fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
     if not fitting:
         smallest = min(evals, key=lambda e: (e.memory.total_gb, e.sort_key()))

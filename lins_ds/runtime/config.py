@@ -35,6 +35,7 @@ class LinsConfig:
     grad_reduce_dtype: Optional[str] = None
     unit_modules: Optional[tuple] = None
     overlap_param_sync: bool = True  # the paper switches this off for its comparisons
+    objective: str = "comm"  # the solver's: "comm" (paper) or "step" (also the optimizer update)
 
     @property
     def solve(self) -> bool:
@@ -133,6 +134,8 @@ def parse_lins_config(block) -> LinsConfig:
     if b.get("grad_reduce_dtype") not in (None,) + DTYPES:
         raise LinsConfigError(f"lins.grad_reduce_dtype: {b['grad_reduce_dtype']!r} is not one of {DTYPES} or null")
     _check_type("overlap_param_sync", b.get("overlap_param_sync", True), (bool,), "true or false", nullable=False)
+    if b.get("objective", "comm") not in ("comm", "step"):
+        raise LinsConfigError(f"lins.objective: {b['objective']!r} is not \"comm\" or \"step\"")
     units = b.get("unit_modules")
     if units is not None and (not isinstance(units, list) or not units or not all(isinstance(u, str) for u in units)):
         raise LinsConfigError(f"lins.unit_modules: {units!r} is not a non-empty list of module class names")
@@ -144,7 +147,7 @@ def parse_lins_config(block) -> LinsConfig:
         seq_len=b.get("seq_len"), model=b.get("model"), cluster=cluster,
         profile=profile, profile_cache=b.get("profile_cache"),
         grad_reduce_dtype=b.get("grad_reduce_dtype"), unit_modules=None if units is None else tuple(units),
-        overlap_param_sync=b.get("overlap_param_sync", True),
+        overlap_param_sync=b.get("overlap_param_sync", True), objective=b.get("objective", "comm"),
     )
 
 

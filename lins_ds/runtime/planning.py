@@ -12,7 +12,7 @@ import os
 import psutil
 import torch
 
-from ..plan import (ComputeSpec, MemorySpec, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
+from ..plan import (MemorySpec, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                     load_model, solve)
 from ..plan import cost, report
 from ..plan.model import from_hf_config
@@ -87,6 +87,6 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
     if not comm.SUPPORTS_UNSORTED_GROUPS:  # older torch: only layouts whose groups are in rank order
         layouts = [lay for lay in layouts if not needs_unsorted_groups(topo, lay)]
     sol = solve(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
-                ComputeSpec(cluster.peak_tflops, cluster.achievable_mfu), layouts=layouts)
+                cluster.compute(), layouts=layouts, objective=cfg.objective)
     plan = sol.plan
     return plan, report.to_table(sol)
