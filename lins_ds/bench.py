@@ -28,8 +28,9 @@ def run_mode(args, topo: str, mode: str, nproc: int, out_dir: str, steps: int, e
            "--model", args.model, "--seq-len", str(args.seq_len), "--steps", str(steps), "--warmup-steps",
            str(args.warmup_steps), "--micro-batch-size", str(args.micro_batch_size), "--grad-accum",
            str(args.grad_accum), "--out", out, *extra]
-    if TOPOLOGIES[topo]:
-        cmd += ["--gpus-per-node", str(TOPOLOGIES[topo])]
+    # node-sized settings (lins.gpus_per_node, hpZ and MiCS group sizes) follow the topology; on the
+    # real host the node is all GPUs of the run
+    cmd += ["--gpus-per-node", str(TOPOLOGIES[topo] or nproc)]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     if TOPOLOGIES[topo]:
         env.update(NCCL_SOCKET_NTHREADS="4", NCCL_NSOCKS_PERTHREAD="4")  # DESIGN §7's tuned sockets
