@@ -124,6 +124,84 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from . import plan as P
+    from .plan import cost
+    from .plan.simulate import SYSTEMS, calibrate, sim_train, simulate
+
+    model = P.load_model(args.model)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise P.PlanError(f"--systems: {unknown} not among {SYSTEMS}")
+    cluster = None if args.profile else P.get_cluster(args.cluster or "a800-ib")
+    capacity = args.gpu_memory_gb or (cluster.gpu_memory_gb if cluster else None)
+    if capacity is None:
+        raise P.PlanError("--gpu-memory-gb: required with --profile")
+    mem = P.MemorySpec(capacity)
+    compute = cluster.compute() if cluster else P.ComputeSpec()
+
+    def table_for(topo):
+        if args.profile:
+            return P.ProfileTable.load(args.profile)
+        return cluster.table(cost.required_meshes(topo, P.candidates(topo)))
+
+    if args.efficiency:
+        compute = P.ComputeSpec(compute.peak_tflops, args.efficiency, compute.memory_bandwidth_gbs)
+        note = f"compute efficiency {args.efficiency:.3f} (given)"
+    else:  # the paper, §III-A: ZeRO-1 trains LLaMA-7B at 63 % MFU on 8 GPUs (4M-token batch)
+        topo8 = P.Topology(1, args.gpus_per_node)
+        cal = sim_train(P.load_model("llama-7b"), topo8, args.seq_len, args.micro_batch_size, args.global_batch_tokens)
+        compute = calibrate(P.load_model("llama-7b"), topo8, cal, mem, table_for(topo8), compute, "zero1", 0.63)
+        note = (f"compute efficiency {compute.achievable_mfu:.3f}, calibrated so that ZeRO-1 trains llama-7b at "
+                f"63 % MFU on 1 node x {args.gpus_per_node} (the paper's 8-GPU point)")
+    nodes_list = [int(x) for x in args.sweep_nodes.split(",")] if args.sweep_nodes else [args.nodes]
+    out = {"calibration": note, "runs": []}
+    for m in nodes_list:
+        topo = P.Topology(m, args.gpus_per_node)
+        train = sim_train(model, topo, args.seq_len, args.micro_batch_size, args.global_batch_tokens)
+        res = simulate(model, topo, train, mem, table_for(topo), compute, systems)
+        out["runs"].append({"nodes": m, "gpus": topo.world_size, "micro_batches": train.grad_accum,
+                            "systems": {k: v.to_json() for k, v in res.items()}})
+    if args.format == "json":
+        last = out["runs"][-1]
+        print(json.dumps({"systems": last["systems"], "calibration": note, "sweep": out["runs"]}, indent=1))
+    else:
+        print(f"{model.name}, {args.gpus_per_node} GPUs per node, seq {args.seq_len}, micro-batch "
+              f"{args.micro_batch_size}, {args.global_batch_tokens} tokens per step; {note}")
+        for run in out["runs"]:
+            print(f"\n{run['gpus']} GPUs ({run['nodes']} nodes), {run['micro_batches']} micro-batches per GPU per step")
+            print(f"  {'system':<8}{'MFU':>7}{'tok/GPU/s':>11}{'step s':>9}{'exposed s':>10}{'mem GiB':>9}  layout")
+            for name, r in run["systems"].items():
+                lay = " ".join(f"{s}={r['layout'][s]['intra']}x{r['layout'][s]['inter']}" for s in ("p", "g", "os"))
+                print(f"  {name:<8}{100 * r['mfu']:>6.1f}%{r['tokens_per_gpu_s']:>11.0f}{r['step_s']:>9.3f}"
+                      f"{r['exposed_comm_s']:>10.3f}{r['memory_gb_per_gpu']:>9.1f}  {lay}{' +ckpt' if r['checkpointing'] else ''}"
+                      f"{'' if r['fits'] else '  (does not fit)'}")
+    if args.plot:
+        _plot_sweep(out["runs"], systems, args.plot, model.name)
+    return 0
+
+
+def _plot_sweep(runs, systems, path, title) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in systems:
+        pts = [(r["gpus"], 100 * r["systems"][s]["mfu"]) for r in runs if s in r["systems"]]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=s)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("MFU (%)")
+    ax.set_title(f"{title}: simulated MFU vs scale")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -160,6 +238,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     c.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of this size")
     c.set_defaults(func=cmd_consolidate)
+    si = sub.add_parser("simulate", help="predict MFU of Lins and the DeepSpeed baselines at any scale")
+    si.add_argument("--model", required=True)
+    si.add_argument("--nodes", type=int, default=1)
+    si.add_argument("--gpus-per-node", type=int, required=True)
+    si.add_argument("--seq-len", type=int, required=True)
+    si.add_argument("--micro-batch-size", type=int, required=True)
+    si.add_argument("--global-batch-tokens", type=int, required=True)
+    si.add_argument("--gpu-memory-gb", type=float)
+    srcs = si.add_mutually_exclusive_group()
+    srcs.add_argument("--cluster")
+    srcs.add_argument("--profile")
+    si.add_argument("--systems", default="zero1,zero3,zeropp,mics,lins")
+    si.add_argument("--efficiency", type=float, help="compute efficiency; default: calibrated (see output)")
+    si.add_argument("--sweep-nodes", help="comma-separated node counts, e.g. 1,2,4,...,128")
+    si.add_argument("--plot", help="PNG of MFU against GPUs (with --sweep-nodes)")
+    si.add_argument("--format", default="table", choices=["table", "json"])
+    si.set_defaults(func=cmd_simulate)
     b = sub.add_parser("bench", help="every DeepSpeed mode and Lins side by side (GPUs; one command)")
     from .bench import add_arguments
 

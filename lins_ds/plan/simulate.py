@@ -1,0 +1,173 @@
+"""Simulate one training step of Lins and of DeepSpeed's baselines at any scale (pure Python).
+
+Communication uses the planner's own pieces: each system's collectives are written as ``Collective``s
+and timed with the same profile table (``cost.timed``). What differs per system is what it sends and
+how much of it hides behind compute:
+
+    zero1   gradient AllReduce over all ranks at the boundary (bucketed, overlapped with the last
+            backward); after the update a global parameter AllGather that nothing overlaps
+    zero3   per module (DeepSpeed fetches module by module) AllGather over all ranks in forward and
+            again in backward, ReduceScatter over all ranks every micro-batch; prefetch overlaps them
+            with the same phase's compute
+    zeropp  ZeRO-3 with hpZ and no quantisation: forward gathers over all ranks, backward gathers from
+            the node-local secondary copy, ReduceScatter over all ranks
+    mics    shard group = one node: module gathers inside the node in forward and backward,
+            ReduceScatter inside the node every micro-batch, AllReduce across nodes at the boundary
+    lins    the solver's plan and the executor's schedule (``cost.schedule``); P-sync after the update
+            not overlapped, as in the paper's comparison (it turned broadcast-forward overlap off)
+
+Overlap (the assumption that decides the baselines' numbers): DeepSpeed's collectives are taken as
+exposed — ZeRO-1/2 reduce after backward (``overlap_comm`` is off by default) and gather parameters
+after the step; ZeRO-3, ZeRO++ and MiCS fetch each module on the critical path of its forward and
+backward. Lins overlaps as its executor does: gathers and ReduceScatters with the same phase's compute
+(prefetch, asynchronous reduction), the boundary AllReduce with the last backward; its P-sync stays
+exposed as in the paper. Exposed time of an overlapped phase = max(0, comm - compute of that phase).
+
+Compute: training FLOPs per token (``ModelSpec.flops_per_token``) at ``peak x efficiency``, backward
+twice the forward, recompute one more forward under activation checkpointing (used by a system only
+when it does not fit without). Step = compute + exposed communication. The efficiency is calibrated
+from one stated point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import cost
+from .memory import memory
+from .model import ModelSpec
+from .profile_table import ProfileTable
+from .solver import ComputeSpec, NoFeasiblePlan, solve
+from .spec import MemorySpec, TrainingSpec
+from .topology import Factor, Layout, Topology
+
+SYSTEMS = ("zero1", "zero3", "zeropp", "mics", "lins")
+MODULES_PER_LAYER = 7  # q, k, v, o, gate, up, down: DeepSpeed gathers module by module (norms persist)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    system: str
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    comm_s: float
+    mfu: float
+    tokens_per_gpu_s: float
+    memory_gb: float
+    checkpointing: bool
+    layout: dict
+    fits: bool = True
+
+    def to_json(self) -> dict:
+        out = dict(self.__dict__)
+        out["memory_gb_per_gpu"] = out.pop("memory_gb")
+        return out
+
+
+def equivalent_layout(system: str, topo: Topology) -> Layout:
+    """The (P, G, OS) placement each baseline keeps, for its memory."""
+    L, M = topo.gpus_per_node, topo.nodes
+    one, node, world = Factor(1, 1), Factor(L, 1), Factor(L, M)
+    return {"zero1": Layout(one, one, world), "zero3": Layout(world, world, world),
+            "zeropp": Layout(world, world, world), "mics": Layout(node, node, node)}[system]
+
+
+def _c(state, phase, op, mesh, nbytes, calls):
+    return cost.Collective(state, phase, op, "sim", mesh, int(nbytes), int(calls))
+
+
+def baseline_schedule(system: str, topo: Topology, model: ModelSpec, train: TrainingSpec) -> list:
+    """What DeepSpeed sends per step for ``system`` (untimed)."""
+    K, pb, rb = train.grad_accum, train.param_bytes, train.reduce_bytes
+    world, node = Factor(topo.gpus_per_node, topo.nodes), Factor(topo.gpus_per_node, 1)
+    across = Factor(1, topo.nodes)
+    layer, root, n_layers = model.layer_params(), model.root_params(), model.num_layers
+    module = layer / MODULES_PER_LAYER
+    if system == "zero1":
+        return [_c("g", "boundary", "all_reduce", world, layer * rb, n_layers), _c("g", "boundary", "all_reduce", world, root * rb, 1),
+                _c("os", "param_sync", "all_gather", world, layer * pb, n_layers), _c("os", "param_sync", "all_gather", world, root * pb, 1)]
+    fwd_mesh = node if system == "mics" else world
+    bwd_mesh = node if system in ("mics", "zeropp") else world
+    rs_mesh = node if system == "mics" else world
+    out = [_c("p", "forward", "all_gather", fwd_mesh, module * pb, K * n_layers * MODULES_PER_LAYER),
+           _c("p", "forward", "all_gather", fwd_mesh, root * pb, K),
+           _c("p", "backward", "all_gather", bwd_mesh, module * pb, K * n_layers * MODULES_PER_LAYER),
+           _c("g", "backward", "reduce_scatter", rs_mesh, module * rb, K * n_layers * MODULES_PER_LAYER),
+           _c("g", "backward", "reduce_scatter", rs_mesh, root * rb, K)]
+    if system == "mics" and topo.nodes > 1:
+        out.append(_c("g", "boundary", "all_reduce", across, model.total_params() * rb / topo.gpus_per_node, 1))
+    return out
+
+
+def _phase_times(colls) -> dict:
+    t = {"forward": 0.0, "backward": 0.0, "boundary": 0.0, "param_sync": 0.0}
+    for c in colls:
+        t[c.phase] += c.total_s
+    return t
+
+
+def step_time(colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, checkpointing: bool,
+              overlapped: bool) -> tuple:
+    """(step, compute, exposed, total comm) seconds for timed collectives."""
+    tokens = train.tokens_per_micro_batch
+    fwd = tokens * model.flops_per_token(train.seq_len) / 3 / compute.flops_per_s
+    bwd = 2 * fwd + (fwd if checkpointing else 0.0)
+    K = train.grad_accum
+    ph = _phase_times(colls)
+    if overlapped:
+        exposed = (max(0.0, ph["forward"] - K * fwd) + max(0.0, ph["backward"] - K * bwd)
+                   + max(0.0, ph["boundary"] - bwd) + ph["param_sync"])
+    else:
+        exposed = sum(ph.values())
+    compute_s = K * (fwd + bwd)
+    return compute_s + exposed, compute_s, exposed, sum(ph.values())
+
+
+def simulate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
+             compute: ComputeSpec, systems=SYSTEMS) -> dict:
+    results = {}
+    for system in systems:
+        if system == "lins":
+            try:
+                sol = solve(model, topo, train, mem, table, compute)
+            except NoFeasiblePlan:
+                continue
+            colls, ckpt, layout = list(sol.best.collectives), sol.best.checkpointing, sol.best.layout
+            mem_gb = sol.best.memory.total_gb
+        else:
+            layout = equivalent_layout(system, topo)
+            no_ckpt = memory(model, train, mem, layout, False)
+            ckpt = no_ckpt.total_gb > mem.capacity_gb
+            mem_gb = (memory(model, train, mem, layout, True) if ckpt else no_ckpt).total_gb
+            colls = cost.timed(baseline_schedule(system, topo, model, train), table)
+        step, comp, exposed, comm_total = step_time(colls, model, train, compute, ckpt, system == "lins")
+        tokens_gpu_s = train.tokens_per_micro_batch * train.grad_accum / step
+        mfu = tokens_gpu_s * model.flops_per_token(train.seq_len) / (compute.peak_tflops * 1e12)
+        results[system] = SimResult(system, step, comp, exposed, comm_total, mfu, tokens_gpu_s, mem_gb, ckpt,
+                                    layout.to_json(), mem_gb <= mem.capacity_gb)
+    return results
+
+
+def sim_train(model: ModelSpec, topo: Topology, seq_len: int, micro_batch: int, global_batch_tokens: int,
+              param_dtype: str = "bf16") -> TrainingSpec:
+    """Micro-batches per step from the global batch: the paper's strong scaling (fixed 4M tokens)."""
+    per_step = topo.world_size * micro_batch * seq_len
+    if global_batch_tokens % per_step:
+        from .topology import PlanError
+
+        raise PlanError(f"--global-batch-tokens: {global_batch_tokens} is not a multiple of GPUs x micro-batch x "
+                        f"seq-len = {per_step}")
+    return TrainingSpec(seq_len, micro_batch, global_batch_tokens // per_step, param_dtype)
+
+
+def calibrate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
+              compute: ComputeSpec, system: str, target_mfu: float) -> ComputeSpec:
+    """The compute efficiency at which ``system`` simulates to ``target_mfu`` (bisection)."""
+    lo, hi = 0.05, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        c = ComputeSpec(compute.peak_tflops, mid, compute.memory_bandwidth_gbs)
+        got = simulate(model, topo, train, mem, table, c, (system,))[system].mfu
+        lo, hi = (mid, hi) if got < target_mfu else (lo, mid)
+    return ComputeSpec(compute.peak_tflops, (lo + hi) / 2, compute.memory_bandwidth_gbs)
