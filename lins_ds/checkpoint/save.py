@@ -92,6 +92,7 @@ def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool =
     tdist.all_gather_object(tags, tag)
     if len(set(tags)) != 1:
         raise LinsCheckpointError(f"save_checkpoint: tag differs across ranks ({sorted(set(tags))}); pass one tag")
+    engine.lins.executor.wait_param_sync()  # fp32 masters alias the P storage an in-flight P-sync writes
     final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, tag + INCOMPLETE)
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)

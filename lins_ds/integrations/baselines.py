@@ -46,6 +46,8 @@ def emulate_nodes(ds_config: dict, gpus_per_node: int) -> dict:
         zero["zero_hpz_partition_size"] = gpus_per_node
     if zero.get("mics_shard_size", -1) > 0:
         zero["mics_shard_size"] = gpus_per_node
+        if int(os.environ.get("WORLD_SIZE", gpus_per_node)) <= gpus_per_node:
+            zero["mics_hierarchical_params_gather"] = False  # DeepSpeed refuses it within one node
     if zero:
         cfg["zero_optimization"] = zero
     return cfg
