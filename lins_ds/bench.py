@@ -16,7 +16,7 @@ import sys
 import time
 
 BASELINES = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics")
-TOPOLOGIES = {"host": None, "emulated": 1}  # GPUs per (virtual) node; None = the real host
+TOPOLOGIES = {"host": None, "emulated": 1}  # GPUs per (virtual) node; None = the real host (--emulated-gpus-per-node)
 CONFIG_OF = {"nocomm": "zero0", "lins-budget": "lins"}  # modes that reuse another mode's config
 
 
@@ -113,6 +113,7 @@ def plot(table: dict, results: list, out_dir: str) -> None:
 
 def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
+    TOPOLOGIES["emulated"] = args.emulated_gpus_per_node
     import torch
 
     ngpu = args.nproc or max(1, torch.cuda.device_count())
@@ -122,7 +123,7 @@ def main(args) -> int:
         nocomm = None if nocomm.get("failed") else nocomm
     for topo in args.topologies.split(","):
         for mode in args.modes.split(","):
-            if topo == "emulated" and mode in ("mics", "zeropp") and TOPOLOGIES[topo] == 1:
+            if topo == "emulated" and mode in ("mics", "zeropp") and TOPOLOGIES["emulated"] == 1:
                 continue  # node-sized groups of one GPU: MiCS degenerates, hpZ equals ZeRO-3
             long = mode in ("zero1", "lins") and topo == args.loss_topology
             results.append(run_mode(args, topo, mode, ngpu, args.out, args.loss_steps if long else args.steps))
@@ -152,6 +153,8 @@ def add_arguments(p) -> None:
     p.add_argument("--loss-topology", default="host")
     p.add_argument("--modes", default="zero0,zero1,zero2,zero3,zeropp,mics,lins")
     p.add_argument("--topologies", default="host,emulated")
+    p.add_argument("--emulated-gpus-per-node", type=int, default=1,
+                   help="GPUs per virtual node for the emulated topology (2 nodes x 4 on 8 GPUs: 4)")
     p.add_argument("--memory-budget-gb", type=float, help="also run Lins under this solver budget")
     p.add_argument("--no-comm-limit", action="store_true", default=True)
     p.add_argument("--nproc", type=int, help="GPUs to use (default: all visible)")
