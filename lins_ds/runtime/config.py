@@ -16,7 +16,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 
 class LinsConfigError(PlanError):
-    pass
+    """A bad ``lins`` block: raised on every rank before any process group exists."""
 
 
 @dataclass(frozen=True)
