@@ -25,14 +25,6 @@ def range_key(name: str, a: int, b: int, what: str) -> str:
     return f"{name}@{a}:{b}/{what}"
 
 
-def parse_range_key(key: str) -> tuple:
-    """(name, a, b, what) from ``range_key``'s output."""
-    head, what = key.rsplit("/", 1)
-    name, rng = head.rsplit("@", 1)
-    a, b = rng.split(":")
-    return name, int(a), int(b), what
-
-
 def slot_pieces(unit, lo: int, hi: int):
     """(slot, [a, b) within the parameter, [s, e) within the master slice [lo, hi)) for every parameter
     overlapping the unit range [lo, hi)."""

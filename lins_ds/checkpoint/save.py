@@ -16,7 +16,7 @@ from .layout_free import FORMAT, INCOMPLETE, LATEST, META, range_key, slot_piece
 
 
 class LinsCheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read as asked; nothing on disk was changed by it."""
+    """A checkpoint that cannot be written or read as asked; the previous checkpoint and `latest` stay as they were."""
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

@@ -127,9 +127,3 @@ def all_gather_object_world(obj) -> list:
     out = [None] * dist.get_world_size()
     tdist.all_gather_object(out, obj)
     return out
-
-
-def broadcast_object_world(obj, src: int = 0):
-    box = [obj]
-    tdist.broadcast_object_list(box, src=src)
-    return box[0]
