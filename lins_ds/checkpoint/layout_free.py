@@ -3,7 +3,7 @@
 A checkpoint tag directory holds
     meta.json                 names, shapes, dtypes, param groups, plan and world that wrote it,
                               engine counters, the index of every shard file; written last
-    shard-XXXXX.safetensors   per writing rank: for each parameter range [a, b) of its OS chunk,
+    shard-<rank>.safetensors   per writing rank: for each parameter range [a, b) of its OS chunk,
                               "<name>@<a>:<b>/master" (fp32) and "<name>@<a>:<b>/<state key>"
                               (element-wise optimizer state), plus "@scalars/<group>/<key>"
     frozen.safetensors        frozen parameters and persistent buffers (rank 0)

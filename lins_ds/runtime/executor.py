@@ -164,10 +164,13 @@ class Executor:
         and accumulated later when s_g > 1, local accumulation when s_g = 1."""
         staging = self._staging()
         flat = staging[:unit.spec.padded]
-        flat.zero_()
+        flat[unit.numel:].zero_()  # padding; every parameter range is written below
         for s in unit.slots:
-            if s.param.grad is not None:
-                flat[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+            dest = flat[s.offset:s.offset + s.numel]
+            if s.param.grad is None:
+                dest.zero_()  # unused in this backward
+            else:
+                dest.copy_(s.param.grad.reshape(-1))
                 s.param.grad = None
         unit.pending.clear()
         unit.reduced = True
