@@ -101,7 +101,7 @@ class LinsOptimizer(ZeROOptimizer):
     def step(self, closure=None):
         """No host synchronisation except for fp16, whose overflow decides on the host whether to step."""
         rt = self.runtime
-        rt.finish_reduction()
+        rt.reduce_at_boundary()
         inv_scale = 1.0 / (rt.topo.world_size * self.cur_scale)
         norm = self._grad_norm(inv_scale)
         if self.loss_scaler is not None:

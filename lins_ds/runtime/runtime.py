@@ -28,7 +28,6 @@ class LinsRuntime:
         self.executor = Executor(module, root, units[1:] if root is not None else units, self.groups, reduce_dtype,
                                  overlap_param_sync)
         self.os_replicas = self.topo.world_size // self.layout.os.size
-        self._replicas_reduced = False
 
     def unit_sizes(self) -> list:
         """(padded numel, is_root) per unit, as ``lins_ds.plan.cost.schedule`` takes them."""
@@ -39,13 +38,9 @@ class LinsRuntime:
         self.executor.post_backward()
 
     def reduce_at_boundary(self) -> None:
+        """Every G chunk all-reduced over its replicas; idempotent (units track what was launched), so
+        the engine's boundary and the optimizer's step may both call it."""
         self.executor.reduce_replicas()
-        self._replicas_reduced = True
-
-    # --- called by the optimizer --------------------------------------------------------------
-    def finish_reduction(self) -> None:
-        if not self._replicas_reduced:
-            self.reduce_at_boundary()
 
     @torch.no_grad()
     def sync_parameters(self) -> None:
@@ -58,7 +53,6 @@ class LinsRuntime:
         for unit in self.units:
             unit.g_acc.zero_()
         self.executor.reset_boundary()
-        self._replicas_reduced = False
 
     def destroy(self) -> None:
         self.executor.remove_hooks()
