@@ -266,3 +266,28 @@ def test_import_hook_survives_availability_probes():
             "from lins_ds.integrations.deepspeed_patch import initialize; assert deepspeed.initialize is initialize")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def destroy_mid_training():
+    import deepspeed
+
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
+                                      config=config({"plan": P_SHARDED, "overlap_param_sync": True},
+                                                    optimizer={"type": "AdamW", "params": {"lr": 1e-3}}))
+    train(engine, steps=1)  # ends with the P-sync AllGathers in flight
+    in_flight = sum(u.sync_work is not None for u in engine.lins.units)
+    engine.destroy()
+    engine.destroy()  # idempotent, as DeepSpeed's __del__ calls it again
+    waited = all(u.sync_work is None for u in engine.lins.units)
+    try:
+        train(engine, steps=1)
+    except RuntimeError as e:
+        return in_flight, waited, str(e)
+    return in_flight, waited, "trained after destroy"
+
+
+def test_destroy_waits_for_in_flight_collectives_and_refuses_further_use():
+    for in_flight, waited, msg in run(destroy_mid_training, WORLD, gpus_per_node=GPUS_PER_NODE):
+        assert in_flight > 0 and waited
+        assert "engine.destroy() was called" in msg

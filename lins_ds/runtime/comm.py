@@ -58,6 +58,7 @@ class Groups:
     def __init__(self, topo: Topology, layout: Layout):
         self.topo, self.layout = topo, layout
         self.rank = dist.get_rank()
+        self.destroyed = False
         self._pg: dict = {}
         self.members: dict = {}
         for kind in GROUP_KINDS:
@@ -79,13 +80,19 @@ class Groups:
         return self.members[kind].index(self.rank)
 
     def pg(self, kind: str):
+        if self.destroyed:  # never fall back to the world group (pg=None) after a destroy
+            raise RuntimeError("lins: the engine's process groups were destroyed (engine.destroy()); "
+                               "build a new engine to train again")
         return self._pg.get(kind)
 
     def destroy(self) -> None:
+        """Destroy this rank's groups (idempotent). Gloo joins its worker threads here, while the
+        interpreter is alive; left to interpreter teardown they can abort the process."""
         for pg in self._pg.values():
             with contextlib.suppress(Exception):
                 tdist.destroy_process_group(pg)
         self._pg.clear()
+        self.destroyed = True
 
 
 def all_gather(groups: Groups, kind: str, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):

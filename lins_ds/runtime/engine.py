@@ -7,6 +7,9 @@ reduction (``allreduce_gradients``), clipping (done by LinsOptimizer on the true
 
 from __future__ import annotations
 
+import atexit
+import weakref
+
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -55,6 +58,7 @@ class LinsEngine(DeepSpeedEngine):
         super().__init__(*args, config=config, config_class=config_class, optimizer=optimizer, **kwargs)
         self.module.register_state_dict_pre_hook(self._gather_for_state_dict)
         self.module._register_state_dict_hook(self._copy_out_state_dict)
+        atexit.register(_destroy_at_exit, weakref.ref(self))
 
     # --- dtypes -----------------------------------------------------------------------------
     def _lins_dtypes(self):
@@ -108,6 +112,11 @@ class LinsEngine(DeepSpeedEngine):
             logger.info("\n" + summary)
             print(summary, flush=True)
         return plan
+
+    def forward(self, *args, **kwargs):
+        if self.lins is not None and self.lins.groups.destroyed:
+            raise RuntimeError("lins: engine.destroy() was called; build a new engine to train again")
+        return super().forward(*args, **kwargs)
 
     # --- gradient flow ------------------------------------------------------------------------
     def _backward_prologue(self):
@@ -167,6 +176,15 @@ class LinsEngine(DeepSpeedEngine):
                     load_module_only)
 
     def destroy(self):
-        if self.lins is not None:
-            self.lins.destroy()
+        """DeepSpeed's destroy plus: wait for Lins' in-flight collectives and destroy its process groups.
+        Runs at interpreter exit too (scripts rarely call it), before teardown can abort gloo threads."""
+        lins = self.__dict__.get("lins")
+        if lins is not None:
+            lins.destroy()
         super().destroy()
+
+
+def _destroy_at_exit(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.destroy()

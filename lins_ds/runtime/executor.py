@@ -225,6 +225,19 @@ class Executor:
         self._drain_rs()
         for unit in self.units:
             self._launch_replica_reduce(unit)
+        self._wait_replica_reduces()
+
+    def wait_all(self) -> None:
+        """Wait for every collective still in flight (P-sync, prefetch, ReduceScatter, AllReduce);
+        issues none."""
+        for unit in self.units:
+            self._wait_sync(unit)
+            if unit.state is UnitState.GATHERING:
+                self.gather(unit)
+        self._drain_rs()
+        self._wait_replica_reduces()
+
+    def _wait_replica_reduces(self) -> None:
         for work, unit, tmp in self._pending_ar:
             if work is not None:
                 work.wait()

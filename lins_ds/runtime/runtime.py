@@ -55,5 +55,17 @@ class LinsRuntime:
         self.executor.reset_boundary()
 
     def destroy(self) -> None:
+        """Idempotent; issues no collective (it runs from ``atexit`` and ``__del__`` too)."""
+        if self.groups.destroyed:
+            return
+        self.executor.wait_all()
         self.executor.remove_hooks()
         self.groups.destroy()
+        if self.layout.p.size > 1:  # the module keeps only this rank's P chunks: refuse to run it
+            self.executor.module.register_forward_pre_hook(_sharded_after_destroy)
+
+
+def _sharded_after_destroy(module, args):
+    raise RuntimeError("lins: this model's parameters stay sharded across ranks after engine.destroy(); "
+                       "load them from a checkpoint (or engine.module.state_dict() taken before destroy) "
+                       "to use the model again")
