@@ -30,7 +30,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--cluster", help="built-in synthetic cluster (default a800-ib)")
     src.add_argument("--profile", help="profile table JSON written by lins-ds profile")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="parameter dtype")
-    p.add_argument("--grad-accum-dtype", choices=["bf16", "fp16", "fp32"], help="gradient accumulation dtype (default fp32)")
+    p.add_argument("--grad-accum-dtype", choices=["bf16", "fp16", "fp32"], help="gradient accumulation dtype (default: the parameter dtype, as DeepSpeed)")
     p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient communication dtype (default: --dtype)")
     p.add_argument("--reserved-gb", type=float, default=2.0, help="CUDA context + communicator buffers, GiB")
     p.add_argument("--fragmentation", type=float, default=0.05, help="allocator margin, fraction")

@@ -48,13 +48,14 @@ def max_err(a, b):
 
 
 # --- bf16 -------------------------------------------------------------------------------------
-def bf16_errors(plans):
+def bf16_errors(plans, accum=None):
     import deepspeed
 
     ref = reference(tiny_llama, 96)
     errs = {}
-    runs = [("zero1", config(zero_optimization={"stage": 1}, bf16={"enabled": True}))]
-    runs += [(str(p), config({"plan": p}, bf16={"enabled": True})) for p in plans]
+    bf16 = dict(bf16={"enabled": True}, **({"data_types": {"grad_accum_dtype": accum}} if accum else {}))
+    runs = [("zero1", config(zero_optimization={"stage": 1}, **bf16))]
+    runs += [(str(p), config({"plan": p}, **bf16)) for p in plans]
     for name, cfg in runs:
         model = tiny_llama()
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)), config=cfg)
@@ -66,6 +67,15 @@ def bf16_errors(plans):
 
 def test_bf16_every_plan_within_zero1_bf16_tolerance():
     errs = run(bf16_errors, WORLD, ALL_PLANS, gpus_per_node=GPUS_PER_NODE)[0]
+    zero1 = errs.pop("zero1")
+    assert zero1 > 0
+    for plan, err in errs.items():
+        assert err <= 1.5 * zero1, (plan, err, zero1)
+
+
+def test_bf16_with_fp32_gradient_accumulation_within_zero1_tolerance():
+    """data_types.grad_accum_dtype fp32: DeepSpeed's BF16_Optimizer for ZeRO-1, fp32 g_acc for Lins."""
+    errs = run(bf16_errors, WORLD, [P_SHARDED, ALL_SHARDED, REPLICATED], "fp32", gpus_per_node=GPUS_PER_NODE)[0]
     zero1 = errs.pop("zero1")
     assert zero1 > 0
     for plan, err in errs.items():

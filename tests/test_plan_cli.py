@@ -6,8 +6,8 @@ import pytest
 
 from lins_ds.cli import main
 
-PAPER = ["--cluster", "a800-ib", "--nodes", "128", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
-         "--seq-len", "4096", "--micro-batch-size", "1", "--grad-accum", "1"]
+PAPER = ["--grad-accum-dtype", "fp32", "--cluster", "a800-ib", "--nodes", "128", "--gpus-per-node", "8",
+         "--gpu-memory-gb", "80", "--seq-len", "4096", "--micro-batch-size", "1", "--grad-accum", "1"]
 
 
 def test_json_output_has_the_contract_keys(capsys):

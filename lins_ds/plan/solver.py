@@ -176,7 +176,7 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
     best = fitting[0]
     faster = [e for e in evals if not e.fits and e.objective_s < best.objective_s]
     plan = Plan(topo, best.layout, best.checkpointing, train.param_dtype,
-                train.grad_accum_dtype or "fp32", model.name, table.source, best.comm_s, best.memory.total_gb)
+                train.grad_accum_dtype or train.param_dtype, model.name, table.source, best.comm_s, best.memory.total_gb)
     return Solution(plan, best, fitting[1] if len(fitting) > 1 else None,
                     min(faster, key=Evaluation.sort_key) if faster else None,
                     len(evals), len(fitting), time.perf_counter() - t0)

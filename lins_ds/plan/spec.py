@@ -23,7 +23,7 @@ class TrainingSpec:
     micro_batch_size: int
     grad_accum: int = 1
     param_dtype: str = "bf16"
-    grad_accum_dtype: Optional[str] = None  # None: fp32 (DeepSpeed's default for bf16/fp16)
+    grad_accum_dtype: Optional[str] = None  # None: the parameter dtype (DeepSpeed's default, get_data_types)
     grad_reduce_dtype: Optional[str] = None  # None: the parameter dtype (as FSDP; the paper's 2-byte grads)
     optimizer: str = "adamw"
     activation_checkpointing: Optional[bool] = None  # None: the planner chooses
@@ -46,7 +46,7 @@ class TrainingSpec:
     @property
     def grad_bytes(self) -> int:
         """Bytes per gradient element as accumulated (the G shard)."""
-        return DTYPE_BYTES[self.grad_accum_dtype or "fp32"]
+        return DTYPE_BYTES[self.grad_accum_dtype or self.param_dtype]
 
     @property
     def reduce_bytes(self) -> int:

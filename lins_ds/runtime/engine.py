@@ -64,7 +64,7 @@ class LinsEngine(DeepSpeedEngine):
     def _lins_dtypes(self):
         """(parameter dtype name, gradient accumulation dtype, gradient reduce dtype)."""
         param = "fp16" if self.fp16_enabled() else "bf16" if self.bfloat16_enabled() else "fp32"
-        accum = str(self._config.grad_accum_dtype or "fp32").lower().split(".")[-1]
+        accum = str(self._config.grad_accum_dtype or param).lower().split(".")[-1]  # DeepSpeed: None = model dtype
         if accum not in DTYPE_ALIASES:
             raise LinsConfigError(f"data_types.grad_accum_dtype: {accum!r} is not one of fp32, bf16, fp16")
         reduce = self.lins_config.grad_reduce_dtype or param

@@ -161,7 +161,34 @@ class Executor:
 
     def reduce_unit(self, unit: FlatUnit) -> None:
         """Move the unit's fresh gradients towards its G accumulation: ReduceScatter launched now
-        and accumulated later when s_g > 1, local accumulation when s_g = 1."""
+        and accumulated later when s_g > 1, local accumulation when s_g = 1 (in place where the
+        gradients are views into the accumulator)."""
+        if unit.grad_views is not None:
+            unit.adopt_grads()
+            self._mark_reduced(unit)
+            self._after_accumulate(unit)
+            return
+        staging = self._stage(unit)
+        self._mark_reduced(unit)
+        if unit.sharded_g:
+            out = torch.empty(unit.spec.g_size, dtype=self.reduce_dtype, device=unit.device)
+            work = comm.reduce_scatter(self.groups, "g", out, staging[:unit.spec.padded], async_op=True)
+            self._pending_rs.append((work, out, staging, unit))
+            self._drain_rs(keep=IN_FLIGHT_RS)
+        else:
+            unit.g_acc.add_(staging[:unit.spec.padded])
+            self._free_staging.append(staging)
+            self._after_accumulate(unit)
+
+    def _mark_reduced(self, unit: FlatUnit) -> None:
+        unit.pending.clear()
+        unit.reduced = True
+        if unit is not self.root:
+            unit.release()
+
+    def _stage(self, unit: FlatUnit) -> torch.Tensor:
+        """A staging buffer whose first ``padded`` elements hold the unit's gradients in the reduce
+        dtype (the .grads are cleared)."""
         staging = self._staging()
         flat = staging[:unit.spec.padded]
         flat[unit.numel:].zero_()  # padding; every parameter range is written below
@@ -172,19 +199,7 @@ class Executor:
             else:
                 dest.copy_(s.param.grad.reshape(-1))
                 s.param.grad = None
-        unit.pending.clear()
-        unit.reduced = True
-        if unit is not self.root:
-            unit.release()
-        if unit.sharded_g:
-            out = torch.empty(unit.spec.g_size, dtype=self.reduce_dtype, device=unit.device)
-            work = comm.reduce_scatter(self.groups, "g", out, flat, async_op=True)
-            self._pending_rs.append((work, out, staging, unit))
-            self._drain_rs(keep=IN_FLIGHT_RS)
-        else:
-            unit.g_acc.add_(flat)
-            self._free_staging.append(staging)
-            self._after_accumulate(unit)
+        return staging
 
     def _drain_rs(self, keep: int = 0) -> None:
         while len(self._pending_rs) > keep:

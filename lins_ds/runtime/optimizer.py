@@ -85,8 +85,7 @@ class LinsOptimizer(ZeROOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.runtime.units:
-            for s in unit.slots:
-                s.param.grad = None
+            unit.attach_grads()
 
     def _grad_norm(self, inv_scale: float) -> torch.Tensor:
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""

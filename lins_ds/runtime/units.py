@@ -84,6 +84,11 @@ class FlatUnit:
         self.p_shard = self.full[spec.p_start:spec.p_start + spec.p_size].clone() if self.sharded_p else None
         g_len = spec.g_size if self.sharded_g else spec.padded
         self.g_acc = torch.zeros(g_len, dtype=accum_dtype, device=self.device)
+        # s_g == 1 and gradients accumulate in the parameter dtype: each .grad is a view into g_acc, so
+        # autograd accumulates in place and nothing is copied (DDP's gradient_as_bucket_view)
+        self.grad_views = ([self.g_acc[s.offset:s.offset + s.numel].view(s.shape) for s in slots]
+                           if not self.sharded_g and accum_dtype == self.dtype else None)
+        self.attach_grads()
         self.state = UnitState.GATHERED
         self.pending: set = set()  # params whose grad arrived in this backward
         self.reduced = False  # reduced in the current backward
@@ -92,6 +97,21 @@ class FlatUnit:
         self.sync_work = None  # in-flight P-sync AllGather after the optimizer step
         if self.sharded_p:
             self.release()
+
+    # --- gradients -------------------------------------------------------------------------
+    def attach_grads(self) -> None:
+        """Point every .grad at its slice of g_acc (in-place mode) or clear it."""
+        for i, s in enumerate(self.slots):
+            s.param.grad = self.grad_views[i] if self.grad_views is not None else None
+
+    def adopt_grads(self) -> None:
+        """In-place mode: a .grad that autograd allocated itself (after someone set grads to None)
+        is added into g_acc and replaced by the view."""
+        for s, view in zip(self.slots, self.grad_views):
+            g = s.param.grad
+            if g is not None and g.data_ptr() != view.data_ptr():
+                view.add_(g.reshape(view.shape))
+            s.param.grad = view
 
     # --- P storage -------------------------------------------------------------------------
     @property
