@@ -6,7 +6,7 @@ OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 COMMON="--model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 10 --warmup-steps 3"
 tr() { torchrun --nproc_per_node 2 --master_port $((29500 + RANDOM % 500)) -m lins_ds.train_llama "$@"; }
-for cfg in zero1 lins_step; do
+for cfg in zero1 lins; do  # lins.json now has "objective": "step" (then ds_configs/lins_step.json)
   tr --deepspeed_config ds_configs/$cfg.json $COMMON --out "$OUT/host_$cfg.json" 2>&1 | grep -E "Lins plan|^  (P|G|OS) \(" ; done
 export NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
 tr --deepspeed_config ds_configs/zero0.json $COMMON --gpus-per-node 1 --out "$OUT/emulated_zero0.json" >/dev/null 2>&1
@@ -18,7 +18,7 @@ grep -E "Error|error" "$OUT/mics_log.txt" | grep -v "^\s*$" | head -8
 python3 - "$OUT" <<'PY'
 import json, sys, os
 d = sys.argv[1]
-for n in ["host_zero1", "host_lins_step", "emulated_zero0", "emulated_lins"]:
+for n in ["host_zero1", "host_lins", "emulated_zero0", "emulated_lins"]:
     p = os.path.join(d, n + ".json")
     if os.path.exists(p):
         r = json.load(open(p))

@@ -9,6 +9,7 @@ DeepSpeed mode and to the limit. Writes ``bench.json``, ``throughput.png`` and `
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -156,7 +157,8 @@ def add_arguments(p) -> None:
     p.add_argument("--emulated-gpus-per-node", type=int, default=1,
                    help="GPUs per virtual node for the emulated topology (2 nodes x 4 on 8 GPUs: 4)")
     p.add_argument("--memory-budget-gb", type=float, help="also run Lins under this solver budget")
-    p.add_argument("--no-comm-limit", action="store_true", default=True)
+    p.add_argument("--no-comm-limit", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the no-communication limit (the same per-GPU work on one GPU)")
     p.add_argument("--nproc", type=int, help="GPUs to use (default: all visible)")
     p.add_argument("--configs", default="ds_configs")
     p.add_argument("--out", default="bench/out")
