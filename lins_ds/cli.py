@@ -134,12 +134,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise P.PlanError(f"--systems: {unknown} not among {SYSTEMS}")
-    cluster = None if args.profile else P.get_cluster(args.cluster or "a800-ib")
-    capacity = args.gpu_memory_gb or (cluster.gpu_memory_gb if cluster else None)
+    cluster = P.get_cluster(args.cluster or "a800-ib")
+    capacity = args.gpu_memory_gb or (None if args.profile and not args.cluster else cluster.gpu_memory_gb)
     if capacity is None:
-        raise P.PlanError("--gpu-memory-gb: required with --profile")
+        raise P.PlanError("--gpu-memory-gb: required with --profile unless --cluster names the machine")
     mem = P.MemorySpec(capacity)
-    compute = cluster.compute() if cluster else P.ComputeSpec()
+    compute = cluster.compute()
 
     def table_for(topo):
         if args.profile:
@@ -246,10 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--micro-batch-size", type=int, required=True)
     si.add_argument("--global-batch-tokens", type=int, required=True)
     si.add_argument("--gpu-memory-gb", type=float)
-    srcs = si.add_mutually_exclusive_group()
-    srcs.add_argument("--cluster")
-    srcs.add_argument("--profile")
-    si.add_argument("--systems", default="zero1,zero3,zeropp,mics,lins")
+    si.add_argument("--cluster", help="built-in cluster (default a800-ib): its timing table and compute model; "
+                    "with --profile only its compute model (peak FLOP/s, memory bandwidth)")
+    si.add_argument("--profile", help="measured table from lins-ds profile for the collectives")
+    si.add_argument("--systems", default="zero1,zero2,zero3,zeropp,mics,lins")
     si.add_argument("--efficiency", type=float, help="compute efficiency; default: calibrated (see output)")
     si.add_argument("--sweep-nodes", help="comma-separated node counts, e.g. 1,2,4,...,128")
     si.add_argument("--plot", help="PNG of MFU against GPUs (with --sweep-nodes)")

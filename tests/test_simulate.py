@@ -5,7 +5,7 @@ import pytest
 from lins_ds.cli import main
 from lins_ds.plan import BUILTIN_MODELS, MemorySpec, Topology, candidates, get_cluster, solve
 from lins_ds.plan.cost import required_meshes
-from lins_ds.plan.simulate import sim_train, simulate
+from lins_ds.plan.simulate import baseline_schedule, sim_train, simulate
 
 PAPER = ["--cluster", "a800-ib", "--gpus-per-node", "8", "--seq-len", "4096", "--micro-batch-size", "1",
          "--global-batch-tokens", "4194304"]
@@ -15,7 +15,7 @@ def test_json_contract_and_paper_ordering(capsys):
     assert main(["simulate", "--model", "llama-7b", "--nodes", "128", *PAPER, "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     systems = out["systems"]
-    assert set(systems) == {"zero1", "zero3", "zeropp", "mics", "lins"}
+    assert set(systems) == {"zero1", "zero2", "zero3", "zeropp", "mics", "lins"}  # the issue's default list
     for r in systems.values():
         for key in ("mfu", "tokens_per_gpu_s", "step_s", "exposed_comm_s", "memory_gb_per_gpu", "layout"):
             assert key in r
@@ -44,3 +44,32 @@ def test_sweep_writes_a_plot(tmp_path, capsys):
 def test_global_batch_must_divide(capsys):
     assert main(["simulate", "--model", "llama-7b", "--nodes", "3", "--cluster", "a800-ib", "--gpus-per-node", "8",
                  "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-tokens", "4194304"]) == 2
+
+
+def test_zero0_and_zero2_send_what_deepspeed_sends():
+    topo, model = Topology(2, 8), BUILTIN_MODELS["llama-7b"]
+    cluster = get_cluster("a800-ib")
+    table = cluster.table(required_meshes(topo, candidates(topo)))
+    train = sim_train(model, topo, 4096, 1, 4096 * 16 * 4)  # 4 micro-batches
+    sims = simulate(model, topo, train, MemorySpec(80), table, cluster.compute(), ("zero0", "zero1", "zero2"))
+    grads = model.total_params() * train.reduce_bytes
+    rs = [c for c in baseline_schedule("zero2", topo, model, train) if c.op == "reduce_scatter"]
+    assert sum(c.nbytes * c.calls for c in rs) == pytest.approx(train.grad_accum * grads)
+    assert sims["zero0"].comm_s < sims["zero1"].comm_s  # no parameter AllGather after the update
+    assert sims["zero2"].memory_gb < sims["zero1"].memory_gb < sims["zero0"].memory_gb
+
+
+def test_profile_times_collectives_and_cluster_gives_compute(capsys):
+    import os
+
+    profile = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "bench_2xh200", "profile_2nodes.json")
+    args = ["simulate", "--profile", profile, "--nodes", "2", "--gpus-per-node", "1", "--model", "llama-1b",
+            "--seq-len", "2048", "--micro-batch-size", "2", "--global-batch-tokens", "16384", "--gpu-memory-gb", "139",
+            "--efficiency", "0.3", "--systems", "zero0,lins", "--format", "json"]
+    runs = {}
+    for cluster in ("a800-ib", "h200-emulated"):
+        assert main([*args, "--cluster", cluster]) == 0
+        runs[cluster] = json.loads(capsys.readouterr().out)["systems"]
+    for system in ("zero0", "lins"):  # same collectives, faster compute on the H200's peak
+        a, h = runs["a800-ib"][system], runs["h200-emulated"][system]
+        assert h["step_s"] < a["step_s"] and h["mfu"] == pytest.approx(a["mfu"] * a["step_s"] * 312 / (h["step_s"] * 989))

@@ -4,8 +4,11 @@ Communication uses the planner's own pieces: each system's collectives are writt
 and timed with the same profile table (``cost.timed``). What differs per system is what it sends and
 how much of it hides behind compute:
 
-    zero1   gradient AllReduce over all ranks at the boundary (bucketed, overlapped with the last
-            backward); after the update a global parameter AllGather that nothing overlaps
+    zero0   gradient AllReduce over all ranks at the boundary (DeepSpeed's data parallelism)
+    zero1   gradient AllReduce over all ranks at the boundary; after the update a global parameter
+            AllGather
+    zero2   gradient ReduceScatter over all ranks every micro-batch; after the update a global
+            parameter AllGather
     zero3   per module (DeepSpeed fetches module by module) AllGather over all ranks in forward and
             again in backward, ReduceScatter over all ranks every micro-batch; prefetch overlaps them
             with the same phase's compute
@@ -17,7 +20,7 @@ how much of it hides behind compute:
             not overlapped, as in the paper's comparison (it turned broadcast-forward overlap off)
 
 Overlap (the assumption that decides the baselines' numbers): DeepSpeed's collectives are taken as
-exposed — ZeRO-1/2 reduce after backward (``overlap_comm`` is off by default) and gather parameters
+exposed — ZeRO-0/1/2 reduce after backward (``overlap_comm`` is off by default) and gather parameters
 after the step; ZeRO-3, ZeRO++ and MiCS fetch each module on the critical path of its forward and
 backward. Lins overlaps as its executor does: gathers and ReduceScatters with the same phase's compute
 (prefetch, asynchronous reduction), the boundary AllReduce with the last backward; its P-sync stays
@@ -41,7 +44,7 @@ from .solver import ComputeSpec, NoFeasiblePlan, solve
 from .spec import MemorySpec, TrainingSpec
 from .topology import Factor, Layout, Topology
 
-SYSTEMS = ("zero1", "zero3", "zeropp", "mics", "lins")
+SYSTEMS = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics", "lins")
 MODULES_PER_LAYER = 7  # q, k, v, o, gate, up, down: DeepSpeed gathers module by module (norms persist)
 
 
@@ -69,7 +72,8 @@ def equivalent_layout(system: str, topo: Topology) -> Layout:
     """The (P, G, OS) placement each baseline keeps, for its memory."""
     L, M = topo.gpus_per_node, topo.nodes
     one, node, world = Factor(1, 1), Factor(L, 1), Factor(L, M)
-    return {"zero1": Layout(one, one, world), "zero3": Layout(world, world, world),
+    return {"zero0": Layout(one, one, one), "zero1": Layout(one, one, world), "zero2": Layout(one, world, world),
+            "zero3": Layout(world, world, world),
             "zeropp": Layout(world, world, world), "mics": Layout(node, node, node)}[system]
 
 
@@ -84,9 +88,15 @@ def baseline_schedule(system: str, topo: Topology, model: ModelSpec, train: Trai
     across = Factor(1, topo.nodes)
     layer, root, n_layers = model.layer_params(), model.root_params(), model.num_layers
     module = layer / MODULES_PER_LAYER
-    if system == "zero1":
-        return [_c("g", "boundary", "all_reduce", world, layer * rb, n_layers), _c("g", "boundary", "all_reduce", world, root * rb, 1),
-                _c("os", "param_sync", "all_gather", world, layer * pb, n_layers), _c("os", "param_sync", "all_gather", world, root * pb, 1)]
+    param_gather = [_c("os", "param_sync", "all_gather", world, layer * pb, n_layers),
+                    _c("os", "param_sync", "all_gather", world, root * pb, 1)]
+    if system in ("zero0", "zero1"):
+        reduce = [_c("g", "boundary", "all_reduce", world, layer * rb, n_layers),
+                  _c("g", "boundary", "all_reduce", world, root * rb, 1)]
+        return reduce + (param_gather if system == "zero1" else [])
+    if system == "zero2":
+        return [_c("g", "backward", "reduce_scatter", world, layer * rb, K * n_layers),
+                _c("g", "backward", "reduce_scatter", world, root * rb, K)] + param_gather
     fwd_mesh = node if system == "mics" else world
     bwd_mesh = node if system in ("mics", "zeropp") else world
     rs_mesh = node if system == "mics" else world
