@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["lins_ds", "lins_ds.*"]),
     python_requires=">=3.9",
     # The planner (lins_ds.plan, `lins-ds plan`) is pure Python; the engine needs torch and deepspeed.
-    install_requires=["deepspeed>=0.16", "torch>=2.4"],
+    install_requires=["deepspeed>=0.19.6,<0.20", "torch>=2.4"],
     extras_require={
         "test": ["pytest", "transformers", "accelerate", "safetensors", "matplotlib"],
         "bench": ["matplotlib", "tqdm"],

@@ -58,7 +58,9 @@ def build_model(m: ModelArguments):
 
 
 def main():
-    model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
+    parser = HfArgumentParser((ModelArguments, TrainingArguments))
+    parser.set_defaults(logging_steps=1)  # show the loss every step (the Trainer's default is every 500)
+    model_args, args = parser.parse_args_into_dataclasses()
     transformers.set_seed(args.seed)
     model = build_model(model_args)
     data = ByteBlocks(make_text(model_args.samples * model_args.seq_len // 12 + 10), model_args.seq_len,

@@ -159,12 +159,22 @@ def test_consolidated_weights_load_in_transformers_with_the_same_logits(tmp_path
     assert (ref - logits).abs().max().item() <= 1e-5
     sd = torch.load(os.path.join(out + "-16bit", "pytorch_model.bin"))
     assert set(model.state_dict()) <= set(sd) | {"lm_head.weight"}
+    # the tag directory itself works as CKPT_DIR, with or without --tag naming it
+    from lins_ds.cli import main
+    from safetensors.torch import load_file
+
+    tag_dir = os.path.join(ckpt, "global_step2")
+    for extra, dest in (([], tmp_path / "hf2"), (["--tag", "global_step2"], tmp_path / "hf3")):
+        assert main(["consolidate", tag_dir, str(dest), *extra]) == 0
+        a, b = load_file(os.path.join(out, "model.safetensors")), load_file(str(dest / "model.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_consolidate_cli_errors(tmp_path):
+def test_consolidate_cli_errors(tmp_path, capsys):
     from lins_ds.cli import main
 
     assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert "nothing is not a directory" in capsys.readouterr().err
 
 
 def bad_loads(ckpt, other):

@@ -69,7 +69,7 @@ def ds_config(plan, dtype="fp32"):
 
 def train_plans(make_model, vocab, plans):
     import deepspeed
-    from lins_ds.runtime import comm
+    from lins_ds import comm
 
     rank = torch.distributed.get_rank()
     ref = reference(make_model, vocab)

@@ -18,7 +18,7 @@ def profile_twice(cache_dir, tamper):
     import torch
     import torch.distributed as tdist
 
-    from lins_ds.profile import cache, obtain
+    from lins_ds.profiler import cache, obtain
 
     logs = []
     meshes = required_meshes(TOPO, candidates(TOPO))

@@ -5,7 +5,7 @@ import pytest
 from lins_ds.cli import main
 from lins_ds.plan import BUILTIN_MODELS, MemorySpec, Topology, candidates, get_cluster, solve
 from lins_ds.plan.cost import required_meshes
-from lins_ds.plan.simulate import baseline_schedule, sim_train, simulate
+from lins_ds.tools.simulate import baseline_schedule, sim_train, simulate
 
 PAPER = ["--cluster", "a800-ib", "--gpus-per-node", "8", "--seq-len", "4096", "--micro-batch-size", "1",
          "--global-batch-tokens", "4194304"]

@@ -8,10 +8,11 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import dtypes
+from .layout_free import META
 from .load import ShardReader, read_meta, resolve
 from .save import LinsCheckpointError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def full_state_dict(path: str, dtype: torch.dtype) -> dict:
@@ -61,21 +62,33 @@ def write_safetensors(state: dict, out_dir: str, max_shard_bytes: int = 5 * 2**3
     return names
 
 
-def consolidate(ckpt_dir: str, out_dir: str, tag=None, dtype: str = "fp32", max_shard_bytes: int = 5 * 2**30) -> str:
-    if dtype not in DTYPES:
-        raise LinsCheckpointError(f"consolidate --dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+def checkpoint_path(ckpt_dir: str, tag=None) -> str:
+    """The tag directory: CKPT_DIR may be the save directory (its ``latest``, or ``--tag``) or a tag
+    directory itself (``.../global_step3``, with or without ``--tag global_step3``)."""
+    if not os.path.isdir(ckpt_dir):
+        raise LinsCheckpointError(f"consolidate: {ckpt_dir} is not a directory")
+    if os.path.isfile(os.path.join(ckpt_dir, META)) and tag in (None, os.path.basename(os.path.normpath(ckpt_dir))):
+        return ckpt_dir
     path = resolve(ckpt_dir, tag)
     if path is None:
-        raise LinsCheckpointError(f"consolidate: no 'latest' file in {ckpt_dir}; pass --tag")
+        raise LinsCheckpointError(f"consolidate: {ckpt_dir} has no 'latest' file and no {META}; pass the "
+                                  "checkpoint's tag directory (e.g. .../global_step100) or --tag")
+    return path
+
+
+def consolidate(ckpt_dir: str, out_dir: str, tag=None, dtype: str = "fp32", max_shard_bytes: int = 5 * 2**30) -> str:
+    if dtype not in dtypes.TORCH:
+        raise LinsCheckpointError(f"consolidate --dtype: {dtype!r} is not one of {', '.join(dtypes.TORCH)}")
+    path = checkpoint_path(ckpt_dir, tag)
     if os.path.abspath(out_dir) == os.path.abspath(path):
         raise LinsCheckpointError("consolidate: OUT_DIR must differ from the checkpoint directory")
-    state = full_state_dict(path, DTYPES[dtype])
+    state = full_state_dict(path, dtypes.TORCH[dtype])
     write_safetensors(state, out_dir, max_shard_bytes)
     config = os.path.join(path, "config.json")
     if os.path.isfile(config):
         with open(config) as f:
             cfg = json.load(f)
-        cfg["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+        cfg["torch_dtype"] = dtypes.HF_NAMES[dtype]
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
     return out_dir

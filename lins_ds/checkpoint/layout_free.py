@@ -25,15 +25,6 @@ def range_key(name: str, a: int, b: int, what: str) -> str:
     return f"{name}@{a}:{b}/{what}"
 
 
-def slot_pieces(unit, lo: int, hi: int):
-    """(slot, [a, b) within the parameter, [s, e) within the master slice [lo, hi)) for every parameter
-    overlapping the unit range [lo, hi)."""
-    for slot in unit.slots:
-        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if a < b:
-            yield slot, (a - slot.offset, b - slot.offset), (a - lo, b - lo)
-
-
 def overlaps(index: dict, name: str, a: int, b: int):
     """Shard files and stored ranges of parameter ``name`` that overlap [a, b): (file, sa, sb)."""
     for fname, ranges in index.items():

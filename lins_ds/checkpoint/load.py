@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .layout_free import FORMAT, INCOMPLETE, LATEST, META, overlaps, range_key, slot_pieces
+from .layout_free import FORMAT, INCOMPLETE, LATEST, META, overlaps, range_key
 from .save import LinsCheckpointError
 
 
@@ -106,7 +106,7 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
     meta = read_meta(path)
     check_model(meta, engine.module, load_module_strict)
     opt, reader = engine.optimizer, ShardReader(path, meta["index"])
-    engine.lins.executor.wait_param_sync()  # an in-flight P-sync must not overwrite what we load
+    engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
     with_state = load_optimizer_states and not load_module_only
     if with_state and meta["optimizer"] != type(opt.optimizer).__name__:
         raise LinsCheckpointError(f"load_checkpoint: optimizer state is {meta['optimizer']}'s, this engine uses "
@@ -114,7 +114,7 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
     for gi, group in enumerate(opt.param_groups):
         for sl in [s for s in opt.slices if any(s.param is p for p in group["params"])]:
             state = {k: torch.zeros_like(sl.param.data) for k in meta["elementwise_state"]} if with_state else {}
-            for slot, (a, b), (s, e) in slot_pieces(sl.unit, sl.lo, sl.hi):
+            for slot, (a, b), (s, e) in sl.unit.pieces(sl.lo, sl.hi):
                 reader.fill(sl.param.data[s:e], slot.name, a, b, "master")
                 for k, t in state.items():
                     reader.fill(t[s:e], slot.name, a, b, k)

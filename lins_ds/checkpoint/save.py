@@ -8,11 +8,10 @@ import os
 import shutil
 
 import torch
-import torch.distributed as tdist
 from safetensors.torch import save_file
 
-from ..plan.layout import digits
-from .layout_free import FORMAT, INCOMPLETE, LATEST, META, range_key, slot_pieces
+from .. import comm
+from .layout_free import FORMAT, INCOMPLETE, LATEST, META, range_key
 
 
 class LinsCheckpointError(RuntimeError):
@@ -23,19 +22,13 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def is_writer(rt) -> bool:
-    """One replica of every OS chunk writes: the ranks whose replica digits are 0."""
-    d = digits(rt.topo, rt.layout, rt.groups.rank)
-    return d.q_rep == 0 and d.e_rep == 0
-
-
 def shard_tensors(opt) -> tuple:
     """({key: tensor}, [(name, a, b)], {elementwise state keys}, {scalar state keys}) of this rank."""
     tensors, index, ew_keys, scalar_keys = {}, [], set(), set()
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     for sl in opt.slices:
         state = opt.state.get(sl.param, {})
-        for slot, (a, b), (s, e) in slot_pieces(sl.unit, sl.lo, sl.hi):
+        for slot, (a, b), (s, e) in sl.unit.pieces(sl.lo, sl.hi):
             index.append((slot.name, a, b))
             tensors[range_key(slot.name, a, b, "master")] = _cpu(sl.param.data[s:e].float())
             for k, v in state.items():
@@ -60,10 +53,7 @@ def frozen_and_buffers(module: torch.nn.Module) -> dict:
 
 def _meta(engine, index: dict, ew_keys, scalar_keys) -> dict:
     opt, module = engine.optimizer, engine.module
-    group_of = {}
-    for u in engine.lins.units:
-        for s in u.slots:
-            group_of[s.name] = s.group
+    group_of = {s.name: s.group for u in engine.lins.units for s in u.slots}
     aliases = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases[name] = next(n for n, q in module.named_parameters() if q is p)
@@ -85,57 +75,71 @@ def _json_safe(obj):
     return json.loads(json.dumps(obj, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
 
 
-def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> bool:
-    rank = tdist.get_rank()
+def _agree_on_tag(engine, tag) -> str:
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    tags = [None] * tdist.get_world_size()
-    tdist.all_gather_object(tags, tag)
+    tags = comm.all_gather_object(tag)
     if len(set(tags)) != 1:
         raise LinsCheckpointError(f"save_checkpoint: tag differs across ranks ({sorted(set(tags))}); pass one tag")
-    engine.lins.executor.wait_param_sync()  # fp32 masters alias the P storage an in-flight P-sync writes
-    final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, tag + INCOMPLETE)
-    if rank == 0:
+    return tag
+
+
+def _write_shard(engine, tmp: str):
+    """This rank's OS chunk, if it is a writer: (file name, index, element-wise keys, scalar keys)."""
+    if not engine.lins.is_checkpoint_writer:
+        return None
+    tensors, index, ew, sc = shard_tensors(engine.optimizer)
+    fname = f"shard-{comm.rank():05d}.safetensors"
+    save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+    return fname, index, sorted(ew), sorted(sc)
+
+
+def _write_rank0_files(engine, tmp: str, entries: list, client_state) -> None:
+    """Frozen parameters and buffers, extra.pt, config.json, and meta.json last (it marks a whole directory)."""
+    entries = [e for e in entries if e is not None]
+    index = {fname: idx for fname, idx, _, _ in entries}
+    ew = {k for e in entries for k in e[2]}
+    sc = {k for e in entries for k in e[3]}
+    save_file(frozen_and_buffers(engine.module), os.path.join(tmp, "frozen.safetensors"), metadata={"format": "pt"})
+    scaler = engine.optimizer.loss_scaler
+    torch.save({"lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                "loss_scaler": dict(vars(scaler)) if scaler is not None else None,
+                "client_state": client_state or {}}, os.path.join(tmp, "extra.pt"))
+    hf = getattr(engine.module, "config", None)
+    if hf is not None and hasattr(hf, "to_json_string"):
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write(hf.to_json_string())
+    with open(os.path.join(tmp, META), "w") as f:
+        json.dump(_json_safe(_meta(engine, index, ew, sc)), f, indent=1)
+
+
+def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
+    """Rename the complete directory into place, then rewrite ``latest``."""
+    final, old = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".old")
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        with open(os.path.join(save_dir, LATEST + ".tmp"), "w") as f:
+            f.write(tag)
+        os.replace(os.path.join(save_dir, LATEST + ".tmp"), os.path.join(save_dir, LATEST))
+
+
+def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    tag = _agree_on_tag(engine, tag)
+    engine.lins.wait()  # fp32 masters alias the P storage an in-flight P-sync writes
+    tmp = os.path.join(save_dir, tag + INCOMPLETE)
+    if comm.rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
         os.makedirs(tmp)
-    tdist.barrier()
-
-    entry = None
-    if is_writer(engine.lins):
-        tensors, index, ew, sc = shard_tensors(engine.optimizer)
-        fname = f"shard-{rank:05d}.safetensors"
-        save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-        entry = (fname, index, sorted(ew), sorted(sc))
-    entries = [None] * tdist.get_world_size()
-    tdist.all_gather_object(entries, entry)
-
-    if rank == 0:
-        entries = [e for e in entries if e is not None]
-        index = {fname: idx for fname, idx, _, _ in entries}
-        ew = {k for e in entries for k in e[2]}
-        sc = {k for e in entries for k in e[3]}
-        save_file(frozen_and_buffers(engine.module), os.path.join(tmp, "frozen.safetensors"), metadata={"format": "pt"})
-        scaler = engine.optimizer.loss_scaler
-        torch.save({"lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                    "loss_scaler": dict(vars(scaler)) if scaler is not None else None,
-                    "client_state": client_state or {}}, os.path.join(tmp, "extra.pt"))
-        hf = getattr(engine.module, "config", None)
-        if hf is not None and hasattr(hf, "to_json_string"):
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                f.write(hf.to_json_string())
-        with open(os.path.join(tmp, META), "w") as f:  # last file: its presence marks a whole directory
-            json.dump(_json_safe(_meta(engine, index, ew, sc)), f, indent=1)
-    tdist.barrier()
-    if rank == 0:
-        old = final + ".old"
-        if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            with open(os.path.join(save_dir, LATEST + ".tmp"), "w") as f:
-                f.write(tag)
-            os.replace(os.path.join(save_dir, LATEST + ".tmp"), os.path.join(save_dir, LATEST))
-    tdist.barrier()
+    comm.barrier()
+    entries = comm.all_gather_object(_write_shard(engine, tmp))
+    if comm.rank() == 0:
+        _write_rank0_files(engine, tmp, entries, client_state)
+    comm.barrier()
+    if comm.rank() == 0:
+        _publish(save_dir, tag, tmp, save_latest)
+    comm.barrier()
     return True

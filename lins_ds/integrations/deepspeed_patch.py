@@ -38,7 +38,7 @@ def initialize(*args, **kwargs):
     config = _config_of(bound)
     if lins_block(config) is None:
         return _original_initialize(*args, **kwargs)
-    from ..runtime.engine import LinsEngine
+    from .engine import LinsEngine
 
     saved = deepspeed.DeepSpeedEngine
     deepspeed.DeepSpeedEngine = LinsEngine

@@ -5,10 +5,10 @@ from .model import BUILTIN_MODELS, ModelSpec, load_model
 from .profile_table import ProfileTable
 from .solver import ComputeSpec, NoFeasiblePlan, Plan, Solution, solve
 from .spec import MemorySpec, TrainingSpec
-from .topology import Factor, Layout, PlanError, Topology, candidates, check_layout
+from .topology import STATES, Factor, Layout, PlanError, Topology, candidates, check_layout
 
 __all__ = [
     "CLUSTERS", "ClusterModel", "get_cluster", "BUILTIN_MODELS", "ModelSpec", "load_model", "ProfileTable",
     "ComputeSpec", "NoFeasiblePlan", "Plan", "Solution", "solve", "MemorySpec", "TrainingSpec", "Factor",
-    "Layout", "PlanError", "Topology", "candidates", "check_layout",
+    "Layout", "PlanError", "STATES", "Topology", "candidates", "check_layout",
 ]

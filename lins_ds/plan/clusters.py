@@ -84,10 +84,10 @@ CLUSTERS: dict[str, ClusterModel] = {
         intra_busbw={"all_gather": 150.0, "reduce_scatter": 150.0, "all_reduce": 155.0, "broadcast": 150.0},
         inter_busbw_per_gpu={"all_gather": 10.0, "reduce_scatter": 10.0, "all_reduce": 11.0, "broadcast": 10.0},
     ),
-    # DESIGN §7: 2 x H200 on one host; virtual nodes via NCCL_HOSTID, tuned loopback sockets across them.
+    # docs/design.md §11: 2 x H200 on one host; virtual nodes via NCCL_HOSTID, tuned loopback sockets across them.
     # Measured busbw at 512 MiB: NVLink AR 312 / AG 265 / RS 262 / BC 362 GB/s; sockets 10.2 / 9.2 / 7.7 / 14.2.
     "h200-emulated": ClusterModel(
-        "h200-emulated", "H200 host, virtual nodes over tuned loopback sockets (DESIGN §7)",
+        "h200-emulated", "H200 host, virtual nodes over tuned loopback sockets (docs/design.md §11)",
         gpus_per_node=1, gpu_memory_gb=139, peak_tflops=989.0, achievable_mfu=0.35, memory_bandwidth_gbs=2900.0,
         intra_busbw={"all_gather": 265.0, "reduce_scatter": 262.0, "all_reduce": 312.0, "broadcast": 362.0},
         inter_busbw_per_gpu={"all_gather": 9.2, "reduce_scatter": 7.7, "all_reduce": 10.2, "broadcast": 14.2},

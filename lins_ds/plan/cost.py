@@ -1,4 +1,4 @@
-"""The collectives one optimizer step issues under a layout, and their predicted time (DESIGN §3).
+"""The collectives one optimizer step issues under a layout, and their predicted time (docs/design.md §3).
 
 This list is the executor's schedule written down; the runtime's collective recorder is tested
 against it, so a change to either must change both. Per step of K micro-batches, per unit u of

@@ -1,7 +1,7 @@
 """Which chunk each rank owns and how process groups are ordered: a pure function of (layout, topology).
 
 Every unit buffer is cut into s_os equal atoms. State x owns s_x chunks of s_os/s_x consecutive atoms.
-A rank's digits (DESIGN §2, "mixed radix, coarser state's index most significant"):
+A rank's digits (docs/design.md §2, "mixed radix, coarser state's index most significant"):
 
     local l = q_rep + (L/a_os)*(q_gos + (a_os/a_g)*(q_pg + (a_g/a_p)*q_p))
     node  m = e_rep + (M/b_os)*(e_gos + (b_os/b_g)*(e_pg + (b_g/b_p)*e_p))
@@ -60,6 +60,13 @@ def digits(topo: Topology, layout: Layout, rank: int) -> RankDigits:
     q_rep, q_gos, q_pg, q_p = _split(l, (topo.gpus_per_node // os.intra, os.intra // g.intra, g.intra // p.intra))
     e_rep, e_gos, e_pg, e_p = _split(m, (topo.nodes // os.inter, os.inter // g.inter, g.inter // p.inter))
     return RankDigits(q_p, q_pg, q_gos, q_rep, e_p, e_pg, e_gos, e_rep)
+
+
+def is_first_replica(topo: Topology, layout: Layout, rank: int) -> bool:
+    """Whether ``rank`` belongs to the first replica of the OS chunks (its replica digits are 0): the
+    ranks that hold each OS chunk exactly once between them (what a checkpoint writes)."""
+    d = digits(topo, layout, rank)
+    return d.q_rep == 0 and d.e_rep == 0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Per-GPU memory of a layout (DESIGN §3), every term kept separately so the summary can show it.
+"""Per-GPU memory of a layout (docs/design.md §8), every term kept separately so the summary can show it.
 
     params       p_bytes  x Phi / s_p         (the P chunk; the whole model when s_p = 1)
     grads        g_bytes  x Phi / s_g         (accumulation buffer in grad_accum dtype)
@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from .model import ModelSpec
 from .spec import GIB, MemorySpec, TrainingSpec
 from .topology import Layout
+
+# Named constants the executor (lins_ds/runtime/executor.py) and this model share:
+GATHERED_LAYERS = 2  # layer units whose full parameters exist at once: the current one and the prefetched one
+IN_FLIGHT_REDUCE_SCATTERS = 2  # ReduceScatters in flight before the oldest is completed
 
 TERMS = ("params", "grads", "optimizer", "activations", "logits", "gathered", "grad_buffers", "reserved", "margin")
 
@@ -58,8 +62,8 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, layout: Layou
         "optimizer": train.optimizer_bytes * phi / s_os,
         "activations": activation_bytes(model, train, checkpointing),
         "logits": train.tokens_per_micro_batch * model.vocab * (pb + 4 + 4),
-        "gathered": (units[0] + 2 * max_layer) * pb if s_p > 1 else 0.0,
-        "grad_buffers": 2 * max_unit * pb + (max_unit * rb if rb != pb else 0),
+        "gathered": (units[0] + GATHERED_LAYERS * max_layer) * pb if s_p > 1 else 0.0,
+        "grad_buffers": IN_FLIGHT_REDUCE_SCATTERS * max_unit * pb + (max_unit * rb if rb != pb else 0),
     }
     terms = {k: v / GIB for k, v in terms.items()}
     terms["reserved"] = mem.reserved_gb

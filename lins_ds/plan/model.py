@@ -87,7 +87,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     "llama-13b": ModelSpec("llama-13b", "llama", 40, 5120, 13824, 32000, 40, 40),
     "llama-30b": ModelSpec("llama-30b", "llama", 60, 6656, 17920, 32000, 52, 52),
     "llama-65b": ModelSpec("llama-65b", "llama", 80, 8192, 22016, 32000, 64, 64),
-    # The ~1 B LLaMA shape of DESIGN §8 (0.94 B params) and a tiny one for CPU demos and tests.
+    # The ~1 B LLaMA shape of the GPU baselines (docs/design.md §11) (0.94 B params) and a tiny one for CPU demos and tests.
     "llama-1b": ModelSpec("llama-1b", "llama", 16, 2048, 5632, 32000, 16, 16),
     "llama-tiny": ModelSpec("llama-tiny", "llama", 4, 64, 176, 512, 4, 4),
 }
@@ -122,9 +122,10 @@ def from_hf_config(cfg: dict, name: str) -> ModelSpec:
 
 
 def load_model(name_or_path: str) -> ModelSpec:
-    """A built-in name, a ``config.json`` path, or a directory holding one."""
-    if name_or_path in BUILTIN_MODELS:
-        return BUILTIN_MODELS[name_or_path]
+    """A built-in name (``llama-7b``, or ``7b`` for short), a ``config.json`` path, or a directory holding one."""
+    for name in (name_or_path, f"llama-{name_or_path}"):
+        if name in BUILTIN_MODELS:
+            return BUILTIN_MODELS[name]
     path = name_or_path
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")

@@ -1,4 +1,4 @@
-"""Collective timing table: t(op, bytes, mesh), pure data plus interpolation (DESIGN §4, §5).
+"""Collective timing table: t(op, bytes, mesh), pure data plus interpolation (docs/design.md §7, §11).
 
 ``bytes`` follows nccl-tests: the output of AllGather, the input of ReduceScatter, the buffer of
 AllReduce and Broadcast. The effective bandwidth w = bytes / t ("algbw") is what the paper calls

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .cost import per_state
 from .memory import TERMS
 from .solver import Evaluation, Solution
+from .topology import STATES
 
 STATE_NAMES = {"p": "P (parameters)", "g": "G (gradients)", "os": "OS (optimizer)", "scalar": "scalars"}
 
@@ -28,7 +29,7 @@ def _gib(gib: float) -> str:
 def explain_loss(winner: Evaluation, other: Evaluation) -> str:
     """Why ``other`` lost to ``winner``: the terms where it is slower."""
     w, o = per_state(list(winner.collectives)), per_state(list(other.collectives))
-    parts = [f"T_{k} {1e3 * (o[k] - w[k]):+.2f} ms" for k in ("p", "g", "os") if abs(o[k] - w[k]) > 1e-9]
+    parts = [f"T_{k} {1e3 * (o[k] - w[k]):+.2f} ms" for k in STATES if abs(o[k] - w[k]) > 1e-9]
     if other.optimizer_s != winner.optimizer_s:
         parts.append(f"optimizer {1e3 * (other.optimizer_s - winner.optimizer_s):+.2f} ms")
     if other.recompute_s != winner.recompute_s:

@@ -1,4 +1,4 @@
-"""Solver: the fastest layout that fits (DESIGN §4). Enumerate every valid layout — a few hundred even
+"""Solver: the fastest layout that fits (docs/design.md §7). Enumerate every valid layout — a few hundred even
 at 1024 GPUs — and, unless the user fixed it, activation checkpointing on and off; drop what does not
 fit in memory; minimise the objective: ``"comm"`` (the paper's and the default) is predicted
 communication plus recompute; ``"step"`` adds the optimizer update, the one compute a layout changes
@@ -19,7 +19,7 @@ from .memory import MemoryBreakdown, memory
 from .model import ModelSpec
 from .profile_table import ProfileTable
 from .spec import MemorySpec, TrainingSpec
-from .topology import Factor, Layout, PlanError, Topology, candidates, check_layout
+from .topology import Layout, PlanError, Topology, candidates, check_layout
 
 
 def _gib(x: float) -> str:
@@ -107,9 +107,8 @@ class Plan:
 
     @classmethod
     def from_json(cls, obj: dict) -> "Plan":
-        f = {s: Factor(int(obj[s]["intra"]), int(obj[s]["inter"])) for s in ("p", "g", "os")}
         topo = Topology(int(obj["nodes"]), int(obj["gpus_per_node"]))
-        layout = Layout(f["p"], f["g"], f["os"])
+        layout = Layout.from_json(obj)
         check_layout(topo, layout)
         return cls(topo, layout, bool(obj["activation_checkpointing"]), obj["param_dtype"], obj["grad_dtype"],
                    obj.get("model", ""), obj.get("profile_source", ""), float(obj.get("predicted_comm_s", 0)),

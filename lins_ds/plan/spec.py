@@ -8,6 +8,7 @@ from typing import Optional
 from .topology import PlanError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPES = tuple(DTYPE_BYTES)  # the dtype names used everywhere: lins_ds/dtypes.py maps them to torch
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8}  # exp_avg + exp_avg_sq in fp32
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""Topology, sharding factors and the candidate set (DESIGN §2).
+"""Topology, sharding factors and the candidate set (docs/design.md §2).
 
 A data-parallel world of N = L x M ranks: M nodes of L GPUs. Each state x in (p, g, os) is
 sharded over a mesh of ``intra`` GPUs per node times ``inter`` nodes. A triple of factors is
@@ -80,6 +80,11 @@ class Layout:
     def to_json(self) -> dict:
         return {s: f.to_json() for s, f in self.factors().items()}
 
+    @classmethod
+    def from_json(cls, obj: dict) -> "Layout":
+        """From ``to_json``'s form (extra keys, such as a Plan record's, are ignored)."""
+        return cls(*(Factor(int(obj[s]["intra"]), int(obj[s]["inter"])) for s in STATES))
+
     def __str__(self) -> str:
         return f"P={self.p} G={self.g} OS={self.os}"
 
@@ -103,7 +108,7 @@ def check_factor(topo: Topology, state: str, f: Factor) -> None:
 
 
 def check_layout(topo: Topology, layout: Layout) -> None:
-    """Raise PlanError unless ``layout`` is valid on ``topo`` (DESIGN §2)."""
+    """Raise PlanError unless ``layout`` is valid on ``topo`` (docs/design.md §2)."""
     for state, f in layout.factors().items():
         check_factor(topo, state, f)
     for fine, coarse in (("p", "g"), ("g", "os")):

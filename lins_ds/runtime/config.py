@@ -2,40 +2,110 @@
 
 DeepSpeed ignores unknown top-level keys, so this block is validated here, strictly: every error
 names the key, the value and the rule, and is raised on every rank before any process group exists.
+Each field of ``LinsConfig`` carries its own rule (``_rule``); the parser walks the fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Callable, Optional
 
-from ..plan import Factor, Layout, PlanError, Topology, check_layout
+from ..plan import Factor, Layout, PlanError, STATES, Topology, check_layout
 from ..plan.clusters import CLUSTERS
-
-DTYPES = ("fp32", "bf16", "fp16")
+from ..plan.solver import OBJECTIVES
+from ..plan.spec import DTYPES
 
 
 class LinsConfigError(PlanError):
     """A bad ``lins`` block: raised on every rank before any process group exists."""
 
 
+# --- rules: each takes (key, value) and returns the parsed value or raises LinsConfigError ------------------
+def _bad(key: str, value, what: str):
+    raise LinsConfigError(f"lins.{key}: {value!r} is not {what}")
+
+
+def _boolean(key, value):
+    return value if isinstance(value, bool) else _bad(key, value, "true or false")
+
+
+def _optional(rule: Callable) -> Callable:
+    return lambda key, value: None if value is None else rule(key, value)
+
+
+def _positive_int(key, value):
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return value if ok else _bad(key, value, "a positive integer")
+
+
+def _positive_gib(key, value):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else _bad(key, value, "a positive number of GiB")
+
+
+def _nonnegative_gib(key, value):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    return float(value) if ok else _bad(key, value, "a number of GiB >= 0")
+
+
+def _string(what: str) -> Callable:
+    return lambda key, value: value if isinstance(value, str) else _bad(key, value, what)
+
+
+def _one_of(choices) -> Callable:
+    return lambda key, value: value if value in choices else _bad(key, value, f"one of {', '.join(map(str, choices))}")
+
+
+def _profile(key, value):
+    if not isinstance(value, str) or not (value in ("measure", "synthetic") or value.endswith(".json")):
+        _bad(key, value, "\"measure\", \"synthetic\" or a profile .json path")
+    return value
+
+
+def _class_names(key, value):
+    if not isinstance(value, list) or not value or not all(isinstance(u, str) for u in value):
+        _bad(key, value, "a non-empty list of module class names")
+    return tuple(value)
+
+
+def _plan(key, value):
+    if value == "solve":
+        return value
+    if not isinstance(value, dict):
+        _bad(key, value, "\"solve\" or {\"p\": [intra, inter], \"g\": [...], \"os\": [...]}")
+    extra, missing = set(value) - set(STATES), set(STATES) - set(value)
+    if extra or missing:
+        raise LinsConfigError(f"lins.plan: keys must be exactly p, g, os (unknown: {sorted(extra)}, "
+                              f"missing: {sorted(missing)})")
+    ok = lambda x: x == "all" or (isinstance(x, int) and not isinstance(x, bool) and x >= 1)  # noqa: E731
+    for s in STATES:
+        f = value[s]
+        if not isinstance(f, (list, tuple)) or len(f) != 2 or not all(ok(x) for x in f):
+            raise LinsConfigError(f"lins.plan.{s}: {f!r} is not [intra, inter], each a positive integer or \"all\"")
+    return {s: tuple(value[s]) for s in STATES}
+
+
+def _rule(default, rule: Callable, doc: str):
+    return field(default=default, metadata={"rule": rule, "doc": doc})
+
+
 @dataclass(frozen=True)
 class LinsConfig:
-    enabled: bool = True
-    gpus_per_node: Optional[int] = None
-    plan: object = "solve"  # "solve", or {"p": (intra, inter), ...} with ints or "all"
-    activation_checkpointing: Optional[bool] = None
-    gpu_memory_gb: Optional[float] = None
-    reserved_gb: Optional[float] = None  # None: 2 GiB on GPUs (CUDA context, communicators), 0 on CPU
-    seq_len: Optional[int] = None
-    model: Optional[str] = None
-    cluster: str = "h200-emulated"
-    profile: str = "measure"  # "measure" (cached or quick-measured), "synthetic" (lins.cluster), or a JSON path
-    profile_cache: Optional[str] = None  # directory of cached measured profiles
-    grad_reduce_dtype: Optional[str] = None
-    unit_modules: Optional[tuple] = None
-    overlap_param_sync: bool = True  # the paper switches this off for its comparisons
-    objective: str = "comm"  # the solver's: "comm" (paper) or "step" (also the optimizer update)
+    enabled: bool = _rule(True, _boolean, "false hands the config to DeepSpeed untouched")
+    gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int), "GPUs per (emulated) node")
+    plan: object = _rule("solve", _plan, "\"solve\", or {\"p\": (intra, inter), ...} with ints or \"all\"")
+    activation_checkpointing: Optional[bool] = _rule(None, _optional(_boolean), "null: the solver decides")
+    gpu_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib), "the solver's per-GPU budget")
+    reserved_gb: Optional[float] = _rule(None, _optional(_nonnegative_gib), "outside the allocator; null: 2 on GPUs")
+    seq_len: Optional[int] = _rule(None, _optional(_positive_int), "sequence length the solver sizes for")
+    model: Optional[str] = _rule(None, _optional(_string("a model name, a config.json path or null")), "")
+    cluster: str = _rule("h200-emulated", _one_of(tuple(sorted(CLUSTERS))), "built-in cluster for \"synthetic\"")
+    profile: str = _rule("measure", _profile, "the solver's timing table")
+    profile_cache: Optional[str] = _rule(None, _optional(_string("a directory path or null")), "")
+    grad_reduce_dtype: Optional[str] = _rule(None, _optional(_one_of(DTYPES)), "gradient communication dtype")
+    unit_modules: Optional[tuple] = _rule(None, _optional(_class_names), "classes that become units")
+    overlap_param_sync: bool = _rule(True, _boolean, "the paper switches this off for its comparisons")
+    objective: str = _rule("comm", _one_of(OBJECTIVES), "the solver's: comm (paper) or step")
 
     @property
     def solve(self) -> bool:
@@ -58,36 +128,6 @@ class LinsConfig:
         return Layout(f["p"], f["g"], f["os"])
 
 
-def _check_type(key: str, value, types, what: str, nullable: bool = True):
-    if value is None and nullable:
-        return
-    if isinstance(value, bool) and bool not in types:
-        raise LinsConfigError(f"lins.{key}: {value!r} is not {what}")
-    if not isinstance(value, types):
-        raise LinsConfigError(f"lins.{key}: {value!r} is not {what}")
-
-
-def _parse_plan(value) -> object:
-    if value == "solve":
-        return value
-    if not isinstance(value, dict):
-        raise LinsConfigError(f"lins.plan: {value!r} is neither \"solve\" nor "
-                              "{\"p\": [intra, inter], \"g\": [...], \"os\": [...]}")
-    extra = set(value) - {"p", "g", "os"}
-    missing = {"p", "g", "os"} - set(value)
-    if extra or missing:
-        raise LinsConfigError(f"lins.plan: keys must be exactly p, g, os (unknown: {sorted(extra)}, "
-                              f"missing: {sorted(missing)})")
-    factors = {}
-    for s in ("p", "g", "os"):
-        f = value[s]
-        ok = lambda x: x == "all" or (isinstance(x, int) and not isinstance(x, bool) and x >= 1)  # noqa: E731
-        if not isinstance(f, (list, tuple)) or len(f) != 2 or not all(ok(x) for x in f):
-            raise LinsConfigError(f"lins.plan.{s}: {f!r} is not [intra, inter], each a positive integer or \"all\"")
-        factors[s] = tuple(f)
-    return factors
-
-
 def _find_auto(obj, path="lins"):
     if obj == "auto":
         raise LinsConfigError(f"{path}: \"auto\" is not accepted inside lins (accelerate would fill it); use null")
@@ -103,52 +143,11 @@ def parse_lins_config(block) -> LinsConfig:
     if not isinstance(block, dict):
         raise LinsConfigError(f"lins: {block!r} is not an object")
     _find_auto(block)
-    known = set(LinsConfig.__dataclass_fields__)
-    unknown = sorted(set(block) - known)
+    rules = {f.name: f.metadata["rule"] for f in fields(LinsConfig)}
+    unknown = sorted(set(block) - set(rules))
     if unknown:
-        raise LinsConfigError(f"lins.{unknown[0]}: unknown key (known keys: {', '.join(sorted(known))})")
-    b = dict(block)
-    _check_type("enabled", b.get("enabled", True), (bool,), "true or false", nullable=False)
-    _check_type("gpus_per_node", b.get("gpus_per_node"), (int,), "a positive integer or null")
-    if b.get("gpus_per_node") is not None and b["gpus_per_node"] < 1:
-        raise LinsConfigError(f"lins.gpus_per_node: {b['gpus_per_node']} is not a positive integer")
-    _check_type("activation_checkpointing", b.get("activation_checkpointing"), (bool,), "true, false or null")
-    _check_type("gpu_memory_gb", b.get("gpu_memory_gb"), (int, float), "a positive number of GiB or null")
-    if b.get("gpu_memory_gb") is not None and not b["gpu_memory_gb"] > 0:
-        raise LinsConfigError(f"lins.gpu_memory_gb: {b['gpu_memory_gb']} must be positive")
-    _check_type("reserved_gb", b.get("reserved_gb"), (int, float), "a number of GiB >= 0 or null")
-    if b.get("reserved_gb") is not None and b["reserved_gb"] < 0:
-        raise LinsConfigError(f"lins.reserved_gb: {b['reserved_gb']} must be >= 0")
-    _check_type("seq_len", b.get("seq_len"), (int,), "a positive integer or null")
-    if b.get("seq_len") is not None and b["seq_len"] < 1:
-        raise LinsConfigError(f"lins.seq_len: {b['seq_len']} must be positive")
-    _check_type("model", b.get("model"), (str,), "a model name, a config.json path or null")
-    cluster = b.get("cluster", "h200-emulated")
-    if cluster not in CLUSTERS:
-        raise LinsConfigError(f"lins.cluster: {cluster!r} is not a built-in cluster ({', '.join(sorted(CLUSTERS))})")
-    profile = b.get("profile", "measure")
-    _check_type("profile", profile, (str,), "\"measure\", \"synthetic\" or a profile JSON path", nullable=False)
-    if profile not in ("measure", "synthetic") and not profile.endswith(".json"):
-        raise LinsConfigError(f"lins.profile: {profile!r} is not \"measure\", \"synthetic\" or a .json path")
-    _check_type("profile_cache", b.get("profile_cache"), (str,), "a directory path or null")
-    if b.get("grad_reduce_dtype") not in (None,) + DTYPES:
-        raise LinsConfigError(f"lins.grad_reduce_dtype: {b['grad_reduce_dtype']!r} is not one of {DTYPES} or null")
-    _check_type("overlap_param_sync", b.get("overlap_param_sync", True), (bool,), "true or false", nullable=False)
-    if b.get("objective", "comm") not in ("comm", "step"):
-        raise LinsConfigError(f"lins.objective: {b['objective']!r} is not \"comm\" or \"step\"")
-    units = b.get("unit_modules")
-    if units is not None and (not isinstance(units, list) or not units or not all(isinstance(u, str) for u in units)):
-        raise LinsConfigError(f"lins.unit_modules: {units!r} is not a non-empty list of module class names")
-    return LinsConfig(
-        enabled=b.get("enabled", True), gpus_per_node=b.get("gpus_per_node"), plan=_parse_plan(b.get("plan", "solve")),
-        activation_checkpointing=b.get("activation_checkpointing"),
-        gpu_memory_gb=None if b.get("gpu_memory_gb") is None else float(b["gpu_memory_gb"]),
-        reserved_gb=None if b.get("reserved_gb") is None else float(b["reserved_gb"]),
-        seq_len=b.get("seq_len"), model=b.get("model"), cluster=cluster,
-        profile=profile, profile_cache=b.get("profile_cache"),
-        grad_reduce_dtype=b.get("grad_reduce_dtype"), unit_modules=None if units is None else tuple(units),
-        overlap_param_sync=b.get("overlap_param_sync", True), objective=b.get("objective", "comm"),
-    )
+        raise LinsConfigError(f"lins.{unknown[0]}: unknown key (known keys: {', '.join(sorted(rules))})")
+    return LinsConfig(**{key: rules[key](key, value) for key, value in block.items()})
 
 
 def lins_block(ds_config: dict) -> Optional[dict]:

@@ -1,4 +1,4 @@
-"""The sharded optimizer (DESIGN §3, steps 3-5): it owns the OS chunk of every unit.
+"""The sharded optimizer (docs/design.md §3, steps 3-5): it owns the OS chunk of every unit.
 
 The client's (or DeepSpeed's) basic optimizer keeps its param groups — same order, same
 hyperparameters, so LR schedulers work unchanged — but each group's ``params`` become this rank's
@@ -14,7 +14,7 @@ import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
-from . import comm
+from .. import comm
 from .config import LinsConfigError
 
 ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "FusedAdam",
@@ -49,8 +49,9 @@ class MasterSlice:
 
 class LinsOptimizer(ZeROOptimizer):
     def __init__(self, basic, runtime, clip: float = 0.0, fp16: bool = False, static_loss_scale: float = 1.0,
-                 dynamic_loss_scale: bool = False, dynamic_loss_args=None):
+                 dynamic_loss_scale: bool = False, dynamic_loss_args=None, boundary=lambda: True):
         super().__init__()
+        self.boundary = boundary  # does the coming backward end an accumulation window?
         check_elementwise(basic)
         self.optimizer, self.runtime, self.clip = basic, runtime, clip
         self.custom_loss_scaler, self.torch_autocast_gradscaler = False, None
@@ -83,9 +84,15 @@ class LinsOptimizer(ZeROOptimizer):
     def cur_scale(self) -> float:
         return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
 
+    # DeepSpeed's engine calls these around every backward (engine.backward or loss.backward).
+    def backward_prologue(self) -> None:
+        self.runtime.begin_backward(self.boundary())
+
+    def backward_epilogue(self, **kwargs) -> None:
+        self.runtime.post_backward()  # a no-op when allreduce_gradients ran it (outside no_sync)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for unit in self.runtime.units:
-            unit.attach_grads()
+        self.runtime.attach_grads()
 
     def _grad_norm(self, inv_scale: float) -> torch.Tensor:
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""

@@ -1,6 +1,6 @@
 """``lins-ds bench``: every mode side by side in one invocation, on one host and as emulated nodes.
 
-Each mode is one ``python -m lins_ds.train_llama`` run (same model, seed, batch and steps) launched by
+Each mode is one ``examples/train_llama.py`` run (same model, seed, batch and steps) launched by
 torchrun; its JSON summary is collected here. Reported per topology and mode: tokens/GPU/s, MFU,
 median step, peak memory, exposed communication (step time minus the no-communication limit: the
 same per-GPU work on one GPU alone), Lins' plan and predicted communication, and ratios to the best
@@ -12,35 +12,62 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
+from ..plan import Layout
+
 BASELINES = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics")
-TOPOLOGIES = {"host": None, "emulated": 1}  # GPUs per (virtual) node; None = the real host (--emulated-gpus-per-node)
+TOPOLOGIES = ("host", "emulated")  # the real host, or virtual nodes of --emulated-gpus-per-node GPUs
 CONFIG_OF = {"nocomm": "zero0", "lins-budget": "lins"}  # modes that reuse another mode's config
+EXCEPTION_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)\w*)\s*:(.*)$")
+
+
+def example_script() -> str:
+    """The training script every mode runs: examples/train_llama.py of this checkout."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "examples", "train_llama.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"lins-ds: {path} not found; bench and demo run the example script of a clone of the "
+                         "repository (git clone ..., pip install -e .)")
+    return path
+
+
+def node_size(args, topo: str, nproc: int) -> int:
+    """GPUs per node: every GPU of the run on the real host, else the emulated node's."""
+    return nproc if topo == "host" else args.emulated_gpus_per_node
+
+
+def failure(output: str) -> str:
+    """The last exception a failed run printed (``Type: message``), else its last line."""
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        m = EXCEPTION_LINE.match(ln)
+        if m:
+            return f"{m.group(1)}:{m.group(2)}".strip()
+    return lines[-1].strip() if lines else "no output"
 
 
 def run_mode(args, topo: str, mode: str, nproc: int, out_dir: str, steps: int, extra=()) -> dict:
     out = os.path.join(out_dir, f"{topo}_{mode}.json")
     config = os.path.join(args.configs, CONFIG_OF.get(mode, mode) + ".json")
+    # node-sized settings (lins.gpus_per_node, hpZ and MiCS group sizes) follow the topology
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(29400 + hash((topo, mode)) % 500), "-m", "lins_ds.train_llama", "--deepspeed_config", config,
+           str(29400 + hash((topo, mode)) % 500), example_script(), "--deepspeed_config", config,
            "--model", args.model, "--seq-len", str(args.seq_len), "--steps", str(steps), "--warmup-steps",
            str(args.warmup_steps), "--micro-batch-size", str(args.micro_batch_size), "--grad-accum",
-           str(args.grad_accum), "--out", out, *extra]
-    # node-sized settings (lins.gpus_per_node, hpZ and MiCS group sizes) follow the topology; on the
-    # real host the node is all GPUs of the run
-    cmd += ["--gpus-per-node", str(TOPOLOGIES[topo] or nproc)]
+           str(args.grad_accum), "--out", out, "--gpus-per-node", str(node_size(args, topo, nproc)), *extra]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    if TOPOLOGIES[topo]:
-        env.update(NCCL_SOCKET_NTHREADS="4", NCCL_NSOCKS_PERTHREAD="4")  # DESIGN §7's tuned sockets
+    if topo == "emulated":
+        env.update(NCCL_SOCKET_NTHREADS="4", NCCL_NSOCKS_PERTHREAD="4")  # docs/design.md §11: tuned sockets
     t0 = time.time()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0 or not os.path.exists(out):
-        tail = (r.stdout + r.stderr)[-1500:]
-        print(f"[bench] {topo}/{mode} failed:\n{tail}", flush=True)
-        return {"mode": mode, "topology": topo, "failed": True, "error": tail}
+        error = failure(r.stdout + "\n" + r.stderr)
+        print(f"[bench] {topo}/{mode} FAILED: {error}\n{(r.stdout + r.stderr)[-1500:]}", flush=True)
+        return {"mode": mode, "topology": topo, "failed": True, "error": error}
     with open(out) as f:
         res = json.load(f)
     res.update(mode=mode, topology=topo, wall_s=time.time() - t0)
@@ -77,7 +104,7 @@ def print_table(table: dict, nocomm: dict) -> None:
               f"{'pred s':>8}{'vs best':>8}{'vs limit':>9}  plan")
         for r in t["rows"]:
             plan = r.get("plan")
-            layout = "" if not plan else " ".join(f"{s}={plan[s]['intra']}x{plan[s]['inter']}" for s in ("p", "g", "os"))
+            layout = str(Layout.from_json(plan)) if plan else ""
             fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
             print(f"{r['mode']:<12}{r['tokens_per_gpu_s']:>11.0f}{fmt(r.get('mfu') and 100 * r['mfu'], '6.1f'):>7}"
                   f"{r['median_step_s']:>8.3f}{fmt(r.get('peak_memory_gb'), '9.1f'):>9}"
@@ -114,7 +141,6 @@ def plot(table: dict, results: list, out_dir: str) -> None:
 
 def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
-    TOPOLOGIES["emulated"] = args.emulated_gpus_per_node
     import torch
 
     ngpu = args.nproc or max(1, torch.cuda.device_count())
@@ -124,7 +150,7 @@ def main(args) -> int:
         nocomm = None if nocomm.get("failed") else nocomm
     for topo in args.topologies.split(","):
         for mode in args.modes.split(","):
-            if topo == "emulated" and mode in ("mics", "zeropp") and TOPOLOGIES["emulated"] == 1:
+            if topo == "emulated" and mode in ("mics", "zeropp") and args.emulated_gpus_per_node == 1:
                 continue  # node-sized groups of one GPU: MiCS degenerates, hpZ equals ZeRO-3
             long = mode in ("zero1", "lins") and topo == args.loss_topology
             results.append(run_mode(args, topo, mode, ngpu, args.out, args.loss_steps if long else args.steps))
@@ -136,11 +162,15 @@ def main(args) -> int:
                                      os.path.join(args.out, "trace_lins_budget.txt")]))
     table = analyse(results, nocomm, args.memory_budget_gb)
     print_table(table, nocomm)
+    failed = [r for r in results if r.get("failed")]
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"command": " ".join(sys.argv), "no_comm_limit": nocomm, "table": table,
+        json.dump({"command": " ".join(sys.argv), "no_comm_limit": nocomm, "table": table, "failed": failed,
                    "memory_budget_gb": args.memory_budget_gb}, f, indent=1)
-    plot(table, results + ([nocomm] if nocomm else []), args.out)
-    return 0
+    if table:
+        plot(table, results + ([nocomm] if nocomm else []), args.out)
+    for r in failed:
+        print(f"lins-ds bench: {r['topology']}/{r['mode']} failed: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def add_arguments(p) -> None:

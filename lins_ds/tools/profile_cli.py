@@ -12,8 +12,10 @@ import torch.distributed as tdist
 from ..plan import Topology, TrainingSpec, candidates, load_model
 from ..plan.cost import model_units, required_meshes
 from ..plan.profile_table import bus_factor
-from . import cache
-from .measure import FULL, QUICK, measure, sizes
+from ..profiler import cache
+from ..profiler.measure import FULL, QUICK, measure, sizes
+from ..comm import local_world_size
+from .baselines import set_virtual_node
 
 
 def _init():
@@ -39,13 +41,11 @@ def summary(table) -> str:
 
 
 def run(args) -> int:
-    from ..integrations.baselines import set_virtual_node
-
     if args.gpus_per_node:
         set_virtual_node(args.gpus_per_node)
     device = _init()
     rank, world = tdist.get_rank(), tdist.get_world_size()
-    L = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    L = args.gpus_per_node or local_world_size()
     topo = Topology(world // L, L)
     meshes = required_meshes(topo, candidates(topo))
     params = dict(QUICK if args.quick else FULL)
@@ -68,7 +68,7 @@ def run(args) -> int:
         print(summary(table))
         print(f"measured {total} points over {len(meshes)} meshes in {elapsed:.1f} s; wrote {out}")
     if args.validate:
-        from .validate import validate
+        from ..profiler.validate import validate
 
         model = load_model(args.model)
         train = TrainingSpec(args.seq_len, args.micro_batch_size, args.grad_accum)

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import statistics
 
-import torch
-
+from .. import comm
 from ..plan import ProfileTable, Topology, TrainingSpec
 from ..plan.cost import schedule
-from ..runtime import comm
 from .measure import time_op
-
-DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
 def validate(table: ProfileTable, topo: Topology, layouts, units, train: TrainingSpec, device,
@@ -31,6 +27,8 @@ def validate(table: ProfileTable, topo: Topology, layouts, units, train: Trainin
             rows.append({"layout": str(layout), "op": c.op, "group": c.group, "mesh": str(c.mesh),
                          "bytes": c.nbytes, "predicted_s": predicted, "measured_s": measured,
                          "relative_error": abs(predicted - measured) / measured, "spread": spread})
+        comm.barrier()
+        groups.destroy()
     errs = [r["relative_error"] for r in rows]
     return {"rows": rows, "median_relative_error": statistics.median(errs) if errs else None,
             "worst_relative_error": max(errs) if errs else None}

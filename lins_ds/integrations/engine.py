@@ -1,8 +1,10 @@
-"""LinsEngine: DeepSpeed's engine with ZeRO replaced by a Lins plan (DESIGN §6).
+"""LinsEngine: DeepSpeed's engine with ZeRO replaced by a Lins plan (docs/design.md §6).
 
 Inherited unchanged: forward/backward/step, gradient accumulation bookkeeping, LR schedulers,
 monitors, timers. Replaced: the optimizer (LinsOptimizer over this rank's OS chunks), gradient
 reduction (``allreduce_gradients``), clipping (done by LinsOptimizer on the true global norm).
+Everything Lins does to the model goes through ``self.lins`` (a LinsRuntime); the DeepSpeed internals
+this class touches are listed in ``ds_compat.py``.
 """
 
 from __future__ import annotations
@@ -13,19 +15,18 @@ import weakref
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.utils import logger
 
-from ..plan import Plan
+from .. import comm, dtypes
+from ..checkpoint.load import load
+from ..checkpoint.save import save
 from ..plan.layout import needs_unsorted_groups
-from . import comm
-from .config import LinsConfigError, lins_block, parse_lins_config
-from .optimizer import LinsOptimizer
-from .planning import local_world_size, solve_plan
-from .runtime import LinsRuntime
+from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
+from ..runtime.optimizer import LinsOptimizer
+from ..runtime.planning import agree_on_plan, announce, make_plan
+from ..runtime.runtime import LinsRuntime
+from . import ds_compat
 
-DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
-                 "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+ds_compat.check()
 
 
 def validate(config: dict, config_class, has_client_optimizer: bool):
@@ -37,16 +38,12 @@ def validate(config: dict, config_class, has_client_optimizer: bool):
                               "keep \"zero_optimization\": {\"stage\": 0}")
     if not has_client_optimizer and not config.get("optimizer"):
         raise LinsConfigError("lins: needs an optimizer (an \"optimizer\" block or a client optimizer)")
-    topo = cfg.topology(dist.get_world_size(), local_world_size())
+    topo = cfg.topology(dist.get_world_size(), comm.local_world_size())
     if not cfg.solve and not comm.SUPPORTS_UNSORTED_GROUPS and needs_unsorted_groups(topo, cfg.layout(topo)):
         raise LinsConfigError(
             f"lins.plan: {cfg.layout(topo)} needs process groups in an order other than global-rank order, "
             f"which needs torch >= 2.13 (new_group(sort_ranks=False)); this is torch {torch.__version__}")
     return cfg, topo
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPE.items()}[dtype]
 
 
 class LinsEngine(DeepSpeedEngine):
@@ -56,19 +53,20 @@ class LinsEngine(DeepSpeedEngine):
         object.__setattr__(self, "lins_topology", topo)
         object.__setattr__(self, "lins", None)
         super().__init__(*args, config=config, config_class=config_class, optimizer=optimizer, **kwargs)
+        ds_compat.check_engine_attributes(self)
         self.module.register_state_dict_pre_hook(self._gather_for_state_dict)
         self.module._register_state_dict_hook(self._copy_out_state_dict)
         atexit.register(_destroy_at_exit, weakref.ref(self))
 
-    # --- dtypes -----------------------------------------------------------------------------
-    def _lins_dtypes(self):
+    def _lins_dtypes(self) -> tuple:
         """(parameter dtype name, gradient accumulation dtype, gradient reduce dtype)."""
         param = "fp16" if self.fp16_enabled() else "bf16" if self.bfloat16_enabled() else "fp32"
-        accum = str(self._config.grad_accum_dtype or param).lower().split(".")[-1]  # DeepSpeed: None = model dtype
-        if accum not in DTYPE_ALIASES:
-            raise LinsConfigError(f"data_types.grad_accum_dtype: {accum!r} is not one of fp32, bf16, fp16")
-        reduce = self.lins_config.grad_reduce_dtype or param
-        return param, DTYPE[DTYPE_ALIASES[accum]], DTYPE[reduce]
+        accum = self._config.grad_accum_dtype or param  # DeepSpeed: None = the model's dtype
+        try:
+            accum = dtypes.canonical(accum)
+        except ValueError as e:
+            raise LinsConfigError(f"data_types.grad_accum_dtype: {e}") from None
+        return param, dtypes.TORCH[accum], dtypes.TORCH[self.lins_config.grad_reduce_dtype or param]
 
     # --- optimizer and plan --------------------------------------------------------------------
     def _configure_optimizer(self, client_optimizer, model_parameters):
@@ -82,58 +80,39 @@ class LinsEngine(DeepSpeedEngine):
         self._check_for_duplicates(basic)
         self.basic_optimizer = basic
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
-        plan = self._make_plan(param_dtype, accum_dtype)
+        plan, summary = make_plan(self, self.lins_config, self.lins_topology, param_dtype, accum_dtype)
+        agree_on_plan(plan)
+        if plan.activation_checkpointing and hasattr(self.module, "gradient_checkpointing_enable"):
+            self.module.gradient_checkpointing_enable()
+        announce(summary)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync)
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
-                                       dynamic_loss_args=self.dynamic_loss_scale_args())
-        self.compression_scheduler = self._configure_compression_scheduler()
-        self.quantizer = self._configure_quantization()
-
-    def _make_plan(self, param_dtype: str, accum_dtype: torch.dtype) -> Plan:
-        cfg, topo = self.lins_config, self.lins_topology
-        ckpt = cfg.activation_checkpointing
-        if cfg.solve:
-            plan, summary = solve_plan(self, cfg, topo, param_dtype, accum_dtype)
-        else:
-            layout = cfg.layout(topo)
-            plan = Plan(topo, layout, bool(ckpt), param_dtype, _dtype_name(accum_dtype),
-                        model=type(self.module).__name__, profile_source="fixed in config")
-            summary = f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {layout}"
-        digests = comm.all_gather_object_world(plan.digest())
-        if len(set(digests)) != 1:
-            raise LinsConfigError(f"lins: ranks computed different plans (digests {digests}); "
-                                  "check that every rank sees the same config, model and profile")
-        if plan.activation_checkpointing and hasattr(self.module, "gradient_checkpointing_enable"):
-            self.module.gradient_checkpointing_enable()
-        if dist.get_rank() == 0:
-            logger.info("\n" + summary)
-            print(summary, flush=True)
-        return plan
+                                       dynamic_loss_args=self.dynamic_loss_scale_args(),
+                                       boundary=self._reduces_this_backward)
+        ds_compat.finish_optimizer_setup(self)
 
     def forward(self, *args, **kwargs):
-        if self.lins is not None and self.lins.groups.destroyed:
+        if self.lins is not None and self.lins.destroyed:
             raise RuntimeError("lins: engine.destroy() was called; build a new engine to train again")
         return super().forward(*args, **kwargs)
 
     # --- gradient flow ------------------------------------------------------------------------
-    def _backward_prologue(self):
-        # the replica AllReduce of the boundary micro-batch starts during its backward
-        self.lins.executor.boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
-        super()._backward_prologue()
+    def _reduces_this_backward(self) -> bool:
+        """Whether this backward ends an accumulation window (its replica AllReduce starts during it)."""
+        return self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
 
     def get_global_grad_norm(self) -> float:
         """The last step's global gradient norm (kept on the device until asked for)."""
         norm = self._global_grad_norm
         return norm.item() if torch.is_tensor(norm) else norm
 
-    def _backward_epilogue(self):
-        self.lins.post_backward()
-        super()._backward_epilogue()
-
     def allreduce_gradients(self, bucket_size=None):
+        """DeepSpeed calls this after each backward outside ``no_sync``, before the optimizer's
+        ``backward_epilogue``: finish the backward's reductions, and at the boundary the replica AllReduce."""
+        self.lins.post_backward()
         if self.is_gradient_accumulation_boundary():
             self.lins.reduce_at_boundary()
 
@@ -143,8 +122,7 @@ class LinsEngine(DeepSpeedEngine):
     # --- full state dict on every rank ------------------------------------------------------------
     def _gather_for_state_dict(self, module, prefix, keep_vars):
         if self.lins is not None:
-            for unit in self.lins.units:
-                self.lins.executor.gather(unit)
+            self.lins.gather_all()
 
     def _copy_out_state_dict(self, module, state_dict, prefix, local_metadata):
         if self.lins is None or not self.lins.layout.p.size > 1:
@@ -152,7 +130,7 @@ class LinsEngine(DeepSpeedEngine):
         for k, v in state_dict.items():
             if isinstance(v, torch.Tensor):
                 state_dict[k] = v.detach().clone()
-        self.lins.executor.release_all()
+        self.lins.release_all()
         return state_dict
 
     # --- checkpoints (layout-independent; see lins_ds.checkpoint) -----------------------------------
@@ -160,16 +138,12 @@ class LinsEngine(DeepSpeedEngine):
                         exclude_frozen_parameters=False):
         """DeepSpeed's signature and return value; every rank must call it. Each rank of one OS replica
         writes its own chunk; the tag directory appears only once complete, then ``latest``."""
-        from ..checkpoint.save import save
-
         return save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         """DeepSpeed's signature and return value ``(path, client_state)``; loads into this engine's plan
         and world size whatever plan and world size wrote the checkpoint."""
-        from ..checkpoint.load import load
-
         if custom_load_fn is not None:
             raise LinsConfigError("load_checkpoint: custom_load_fn is not supported by LinsEngine")
         return load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,

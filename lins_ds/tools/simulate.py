@@ -36,13 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import cost
-from .memory import memory
-from .model import ModelSpec
-from .profile_table import ProfileTable
-from .solver import ComputeSpec, NoFeasiblePlan, solve
-from .spec import MemorySpec, TrainingSpec
-from .topology import Factor, Layout, Topology
+from ..plan import cost
+from ..plan.memory import memory
+from ..plan.model import ModelSpec
+from ..plan.profile_table import ProfileTable
+from ..plan.solver import ComputeSpec, NoFeasiblePlan, solve
+from ..plan.spec import MemorySpec, TrainingSpec
+from ..plan.topology import Factor, Layout, PlanError, Topology
 
 SYSTEMS = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics", "lins")
 MODULES_PER_LAYER = 7  # q, k, v, o, gate, up, down: DeepSpeed gathers module by module (norms persist)
@@ -164,8 +164,6 @@ def sim_train(model: ModelSpec, topo: Topology, seq_len: int, micro_batch: int, 
     """Micro-batches per step from the global batch: the paper's strong scaling (fixed 4M tokens)."""
     per_step = topo.world_size * micro_batch * seq_len
     if global_batch_tokens % per_step:
-        from .topology import PlanError
-
         raise PlanError(f"--global-batch-tokens: {global_batch_tokens} is not a multiple of GPUs x micro-batch x "
                         f"seq-len = {per_step}")
     return TrainingSpec(seq_len, micro_batch, global_batch_tokens // per_step, param_dtype)

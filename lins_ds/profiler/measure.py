@@ -1,5 +1,5 @@
 """Measure collective bandwidth per (intra x inter) mesh, every group of a shape running at once
-(DESIGN §5). Side effects only here; the table and its interpolation are pure (lins_ds.plan.profile_table).
+(docs/design.md §11). Side effects only here; the table and its interpolation are pure (lins_ds.plan.profile_table).
 
 Run by every rank together. Each timing is the slowest rank's (a MAX all-reduce of the elapsed
 times), the median over repeats is kept, and the spread is (max - min) / median.
@@ -12,8 +12,7 @@ import time
 from typing import Callable, Iterable, Optional
 
 import torch
-import torch.distributed as tdist
-
+from .. import comm
 from ..plan import Factor, ProfileTable, Topology
 from ..plan.profile_table import OPS, Series
 
@@ -58,33 +57,20 @@ def _buffers(op: str, nbytes: int, n: int, device, dtype=torch.bfloat16):
     return t, t
 
 
-def _call(op: str, out, inp, pg, src: int):
-    if op == "all_gather":
-        tdist.all_gather_into_tensor(out, inp, group=pg)
-    elif op == "reduce_scatter":
-        tdist.reduce_scatter_tensor(out, inp, group=pg)
-    elif op == "all_reduce":
-        tdist.all_reduce(out, group=pg)
-    else:
-        tdist.broadcast(out, src=src, group=pg)
-
-
 def time_op(op: str, nbytes: int, pg, members: list, device, warmup: int, repeats: int,
             dtype=torch.bfloat16) -> tuple:
     """(median seconds, spread) of ``op`` on ``pg``; every rank of the world takes part in the timing."""
     out, inp = _buffers(op, nbytes, len(members), device, dtype)
     for _ in range(warmup):
-        _call(op, out, inp, pg, members[0])
+        comm.timed_collective(op, out, inp, pg, members[0])
     samples = []
     for _ in range(repeats):
         _sync(device)
-        tdist.barrier()
+        comm.barrier()
         t0 = time.perf_counter()
-        _call(op, out, inp, pg, members[0])
+        comm.timed_collective(op, out, inp, pg, members[0])
         _sync(device)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        tdist.all_reduce(dt, op=tdist.ReduceOp.MAX)
-        samples.append(dt.item())
+        samples.append(comm.max_over_world(time.perf_counter() - t0, device))
     med = statistics.median(samples)
     return med, (max(samples) - min(samples)) / med
 
@@ -93,7 +79,7 @@ def measure(topo: Topology, meshes: Iterable[Factor], device, *, min_bytes: int,
             warmup: int, repeats: int, ops=OPS, meta: Optional[dict] = None,
             progress: Optional[Callable[[str], None]] = None) -> ProfileTable:
     """A ProfileTable of every op over every mesh, at log-spaced sizes."""
-    rank = tdist.get_rank()
+    rank = comm.rank()
     series = {}
     size_list = sizes(min_bytes, max_bytes, step)
     for mesh in sorted(set(meshes)):
@@ -101,7 +87,7 @@ def measure(topo: Topology, meshes: Iterable[Factor], device, *, min_bytes: int,
             continue
         mine = None
         for g in mesh_groups(topo, mesh):  # every rank creates every group, in the same order
-            pg = tdist.new_group(g)
+            pg = comm.new_group(g)
             if rank in g:
                 mine, my_pg = g, pg
         for op in ops:
@@ -113,4 +99,6 @@ def measure(topo: Topology, meshes: Iterable[Factor], device, *, min_bytes: int,
                 if progress:
                     progress(f"{op} {mesh} {s}")
             series[(op, mesh.intra, mesh.inter)] = Series(tuple(size_list), tuple(times), tuple(spreads))
+        comm.barrier()  # no rank still uses the group
+        comm.destroy_group(my_pg)
     return ProfileTable(dict(meta or {}), series)

@@ -14,20 +14,21 @@ def is_mics(ds_config: dict) -> bool:
     return int((ds_config.get("zero_optimization") or {}).get("mics_shard_size", -1)) > 0
 
 
-def model_init_context(ds_config: dict):
+def model_init_context(ds_config: dict, device=None):
     """The context a model must be built in: ``deepspeed.zero.MiCS_Init`` for MiCS,
-    ``deepspeed.zero.Init`` for ZeRO-3 and ZeRO++, nothing for ZeRO-1/2 and Lins."""
+    ``deepspeed.zero.Init`` for ZeRO-3 and ZeRO++, else ``device`` (built there directly: fast, and the
+    same values for a seed)."""
     import deepspeed
 
     if zero_stage(ds_config) == 3:
         if is_mics(ds_config):
             return deepspeed.zero.MiCS_Init(config_dict_or_path=ds_config)
         return deepspeed.zero.Init(config_dict_or_path=ds_config)
-    return contextlib.nullcontext()
+    return device if device is not None else contextlib.nullcontext()
 
 
 def set_virtual_node(gpus_per_node: int) -> None:
-    """Give this process the NCCL_HOSTID of its virtual node (DESIGN §7): NCCL then uses its network
+    """Give this process the NCCL_HOSTID of its virtual node (docs/design.md §11): NCCL then uses its network
     transport between virtual nodes. Must run before the process group exists."""
     rank = int(os.environ.get("RANK", "0"))
     os.environ["NCCL_HOSTID"] = f"lins-virtual-node-{rank // gpus_per_node}"

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as tdist
 
+from .. import comm
 from ..plan import ProfileTable, Topology
 from . import cache
 from .measure import FULL, QUICK, measure
-
-
-def _broadcast(obj):
-    box = [obj]
-    tdist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def obtain(topo: Topology, meshes, device: torch.device, *, quick: bool = True, max_bytes: int = 0,
@@ -21,7 +15,7 @@ def obtain(topo: Topology, meshes, device: torch.device, *, quick: bool = True, 
     """Rank 0's cached table when it matches this launch and covers ``meshes`` up to ``max_bytes``
     (e.g. the largest unit the model gathers); otherwise measured now by every rank (quick or full
     mode) and cached. Every rank returns rank 0's table, so every rank plans alike."""
-    rank = tdist.get_rank()
+    rank = comm.rank()
     key = cache.launch_key(topo, device)
     path = cache.cache_path(key, cache_dir)
     params = dict(QUICK if quick else FULL)
@@ -32,7 +26,7 @@ def obtain(topo: Topology, meshes, device: torch.device, *, quick: bool = True, 
         table, reason = cache.load(path, key, meshes, params["max_bytes"])
         log(f"lins profile: {reason}" + ("" if table else "; measuring now"))
         found = None if table is None else table.to_json()
-    found = _broadcast(found)
+    found = comm.broadcast_object(found)
     if found is not None:
         return ProfileTable.from_json(found, origin=path)
     meta = {**key, "source": f"measured:{'quick' if quick else 'full'}"}
@@ -42,4 +36,4 @@ def obtain(topo: Topology, meshes, device: torch.device, *, quick: bool = True, 
     if rank == 0:
         cache.save(path, table)
         log(f"lins profile: saved {path}")
-    return ProfileTable.from_json(_broadcast(table.to_json() if rank == 0 else None), origin="rank 0")
+    return ProfileTable.from_json(comm.broadcast_object(table.to_json() if rank == 0 else None), origin="rank 0")

@@ -13,8 +13,8 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as tdist
 
+from .. import comm
 from ..plan import PlanError, ProfileTable, Topology
 
 KEY_FIELDS = ("world_size", "gpus_per_node", "nodes", "device", "backend", "backend_version", "torch")
@@ -26,7 +26,7 @@ def default_dir() -> str:
 
 
 def launch_key(topo: Topology, device: torch.device) -> dict:
-    backend = tdist.get_backend()
+    backend = comm.backend()
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         version = ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else torch.__version__

@@ -1,0 +1,213 @@
+"""Train a LLaMA-shaped model on synthetic tokens under any DeepSpeed config: Lins or a ZeRO baseline.
+
+    deepspeed --num_gpus 2 examples/train_llama.py --deepspeed_config ds_configs/lins.json --model 1b
+    torchrun --nproc_per_node 2 examples/train_llama.py --deepspeed_config ds_configs/zero1.json
+    CUDA_VISIBLE_DEVICES= deepspeed --num_gpus 2 examples/train_llama.py \\
+        --deepspeed_config ds_configs/lins.json --model tiny --steps 3            # on CPU (gloo)
+
+``--model`` is a planner built-in (``lins-ds plan --model``): ``tiny``, ``1b``, ``7b``, ``13b``, ``30b``
+(with or without the ``llama-`` prefix). The tokens follow learnable arithmetic progressions
+(x_t = start + stride * t mod vocab), so the loss falls within a few dozen steps. Rank 0 prints a line per
+step and, with ``--out``, writes a JSON summary (what ``lins-ds bench`` collects).
+
+The only Lins-specific line is ``import lins_ds``: everything else is a plain DeepSpeed training loop
+(ZeRO-3 and MiCS build the model under their own init context, ``lins_ds.tools.baselines``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine for configs with a "lins" block)
+from lins_ds.plan import load_model
+from lins_ds.tools.baselines import emulate_nodes, model_init_context
+
+H200_BF16_TFLOPS = 989.0
+
+
+def hf_config(name: str, seq_len: int):
+    """A transformers LlamaConfig with the shapes of the planner's built-in model ``name``."""
+    import transformers
+
+    spec = load_model(name)
+    if spec.arch != "llama":
+        raise SystemExit(f"train_llama: --model {name} is a {spec.arch} model; this script trains LLaMA shapes")
+    return transformers.LlamaConfig(
+        hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate, vocab_size=spec.vocab,
+        tie_word_embeddings=spec.tied_embeddings, max_position_embeddings=max(seq_len, 128),
+        attn_implementation="sdpa")
+
+
+def batches(vocab: int, seq_len: int, micro_batch: int, seed: int, device):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(seq_len)
+    while True:
+        start = torch.randint(0, vocab, (micro_batch, 1), generator=g)
+        stride = torch.randint(1, 8, (micro_batch, 1), generator=g)
+        yield ((start + stride * t) % vocab).to(device)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    import deepspeed
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="a planner built-in: tiny, 1b, 7b, 13b, 30b, 65b")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the timing summary")
+    p.add_argument("--gpus-per-node", type=int, help="emulate nodes of this many GPUs on one host")
+    p.add_argument("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu")
+    p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
+    p.add_argument("--lins-memory-gb", type=float, help="override lins.gpu_memory_gb (the solver's budget)")
+    p.add_argument("--lins-plan", help="override lins.plan with JSON, e.g. '{\"p\": [2, 1], \"g\": [2, 1], \"os\": [2, 1]}'")
+    p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", help="write a JSON summary here (rank 0)")
+    p.add_argument("--local_rank", type=int, default=-1)
+    deepspeed.add_config_arguments(p)
+    args = p.parse_args(argv)
+    if not args.deepspeed_config:
+        p.error("--deepspeed_config is required")
+    return args
+
+
+def ds_config_for(args: argparse.Namespace) -> dict:
+    """The DeepSpeed config file with this run's overrides applied."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    cfg = load_ds_config(args.deepspeed_config)
+    for key, value in (("train_micro_batch_size_per_gpu", args.micro_batch_size),
+                       ("gradient_accumulation_steps", args.grad_accum)):
+        if value:
+            cfg[key] = value
+            cfg.pop("train_batch_size", None)
+    if isinstance(cfg.get("lins"), dict):
+        if args.lins_memory_gb:
+            cfg["lins"] = {**cfg["lins"], "gpu_memory_gb": args.lins_memory_gb}
+        if args.lins_plan:
+            cfg["lins"] = {**cfg["lins"], "plan": json.loads(args.lins_plan)}
+    return emulate_nodes(cfg, args.gpus_per_node) if args.gpus_per_node else cfg
+
+
+def setup_device() -> torch.device:
+    import deepspeed
+
+    deepspeed.init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_engine(args, ds_config: dict, device: torch.device):
+    """The model built the way its mode wants (ZeRO-3 and Lins: sharded as it is built), then the engine."""
+    import deepspeed
+    import transformers
+
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    with model_init_context(ds_config, device):
+        model = transformers.LlamaForCausalLM(hf_config(args.model, args.seq_len))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine, model, time.perf_counter() - t0
+
+
+def train(args, engine, model, device) -> tuple:
+    """Per step: the mean loss over every rank's micro-batches, and the wall time."""
+    from deepspeed import comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = device.type == "cuda"
+    data = batches(model.config.vocab_size, args.seq_len, engine.train_micro_batch_size_per_gpu(),
+                   args.seed + rank, device)
+    gas = engine.gradient_accumulation_steps()
+    losses, times, tracer = [], [], trace(args, rank, cuda)
+    for step in range(args.steps):
+        if tracer is not None and step == args.warmup_steps:
+            tracer.__enter__()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for _ in range(gas):
+            x = next(data)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / gas
+        dist.all_reduce(total)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(total.item() / world)
+        if rank == 0:
+            print(f"step {step + 1:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms", flush=True)
+        if tracer is not None and step == args.warmup_steps + 1:
+            tracer.__exit__(None, None, None)
+            write_trace_summary(tracer, args.trace_summary, cuda)
+            tracer = None
+    return losses, times
+
+
+def trace(args, rank: int, cuda: bool):
+    if not args.trace_summary or rank != 0 or args.steps < args.warmup_steps + 2:
+        return None
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    return torch.profiler.profile(activities=acts)
+
+
+def write_trace_summary(prof, path: str, cuda: bool) -> None:
+    """Top operators of two profiled steps by device (or CPU) time: where a step's time goes."""
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=30))
+
+
+def summarize(args, engine, losses, times, startup_s: float, cuda: bool) -> dict:
+    from deepspeed import comm as dist
+
+    timed = times[args.warmup_steps:] or times
+    step_s = statistics.median(timed)
+    samples = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
+    tokens_per_gpu_s = samples * args.seq_len / step_s
+    flops = load_model(args.model).flops_per_token(args.seq_len)
+    lins = getattr(engine, "lins", None)
+    return {
+        "config": os.path.basename(str(args.deepspeed_config)), "model": args.model,
+        "world_size": dist.get_world_size(), "gpus_per_node": args.gpus_per_node, "seq_len": args.seq_len,
+        "samples_per_gpu_per_step": samples, "steps": args.steps, "median_step_s": step_s,
+        "tokens_per_gpu_s": tokens_per_gpu_s, "startup_s": startup_s,
+        "mfu": tokens_per_gpu_s * flops / (H200_BF16_TFLOPS * 1e12) if cuda else None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "losses": losses, "step_times_s": times,
+        "plan": lins.plan.to_json() if lins is not None else None,
+    }
+
+
+def main(argv=None) -> dict:
+    from deepspeed import comm as dist
+
+    args = parse_args(argv)
+    ds_config = ds_config_for(args)
+    device = setup_device()
+    engine, model, startup_s = build_engine(args, ds_config, device)
+    losses, times = train(args, engine, model, device)
+    summary = summarize(args, engine, losses, times, startup_s, device.type == "cuda")
+    if dist.get_rank() == 0 and args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    engine.destroy()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The one module that issues collectives and owns process groups (docs/design.md §5).
+
+Everything above it — the profiler, the runtime, the checkpoints — communicates through these
+functions. Lins' groups come from the pure layout (``lins_ds.plan.layout``), listed in chunk order;
+they are created with ``sort_ranks=False`` because chunk order is not global-rank order in general.
+Tensor collectives go through ``deepspeed.comm`` so DeepSpeed's comms logger sees them; a ``Recorder``
+(tests, validation) sees every Lins collective with its group kind and byte count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as tdist
+from deepspeed import comm as dist
+
+from .plan import Layout, Topology
+from .plan.layout import GROUP_KINDS, all_groups, group_of
+
+SUPPORTS_UNSORTED_GROUPS = "sort_ranks" in inspect.signature(tdist.new_group).parameters
+
+# torch 2.13 deprecates the names DeepSpeed's comm calls (all_gather_into_tensor, reduce_scatter_tensor);
+# the warning, once per process, is DeepSpeed's to act on, not the user's.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                        r"is deprecated", category=FutureWarning)
+# torch 2.13 renamed the tensor collectives; older torch has only the old names
+_ALL_GATHER = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
+# Processes per node as each launcher says it: torchrun and accelerate (LOCAL_WORLD_SIZE), DeepSpeed's
+# launcher (LOCAL_SIZE), MPI launchers (Intel MPI / MPICH, Open MPI, MVAPICH).
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                   "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+# --- the launch ---------------------------------------------------------------------------------------
+def rank() -> int:
+    return tdist.get_rank()
+
+
+def world_size() -> int:
+    return tdist.get_world_size()
+
+
+def backend() -> str:
+    return tdist.get_backend()
+
+
+def local_world_size() -> int:
+    """GPUs per node as the launcher says; without a launcher variable, the visible GPUs (1 on CPU)."""
+    for var in LOCAL_SIZE_VARS:
+        if os.environ.get(var):
+            return int(os.environ[var])
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+# --- recording (tests and validation) -------------------------------------------------------------------
+@dataclass
+class Recorder:
+    calls: list = field(default_factory=list)  # (op, group kind, bytes)
+
+    def counts(self) -> dict:
+        out: dict = {}
+        for op, kind, nbytes in self.calls:
+            out[(op, kind, nbytes)] = out.get((op, kind, nbytes), 0) + 1
+        return out
+
+
+_recorder: Optional[Recorder] = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Record every Lins collective issued inside the block (this process only)."""
+    global _recorder
+    prev, _recorder = _recorder, Recorder()
+    try:
+        yield _recorder
+    finally:
+        _recorder = prev
+
+
+def _record(op: str, kind: str, t: torch.Tensor) -> None:
+    if _recorder is not None:
+        _recorder.calls.append((op, kind, t.numel() * t.element_size()))
+
+
+# --- Lins' process groups ------------------------------------------------------------------------------
+def new_group(ranks: list):
+    """A process group of ``ranks`` in the order given (every rank must call it, in the same order)."""
+    if list(ranks) == sorted(ranks):
+        return tdist.new_group(list(ranks))
+    return tdist.new_group(list(ranks), sort_ranks=False)  # validated up front: only where torch supports it
+
+
+def destroy_group(pg) -> None:
+    """Destroy one group. Gloo joins its worker threads here, while the interpreter is alive; left to
+    interpreter teardown they can abort the process."""
+    with contextlib.suppress(Exception):
+        tdist.destroy_process_group(pg)
+
+
+class Groups:
+    """This rank's Lins process groups, one per kind (None where the group is this rank alone)."""
+
+    def __init__(self, topo: Topology, layout: Layout):
+        self.topo, self.layout = topo, layout
+        self.rank = rank()
+        self.destroyed = False
+        self._pg: dict = {}
+        self.members: dict = {}
+        for kind in GROUP_KINDS:
+            for ranks in all_groups(topo, layout, kind):  # every rank creates every group, same order
+                if len(ranks) == 1:
+                    continue
+                pg = new_group(list(ranks))
+                if self.rank in ranks:
+                    self._pg[kind] = pg
+            self.members[kind] = group_of(topo, layout, kind, self.rank)
+
+    def size(self, kind: str) -> int:
+        return len(self.members[kind])
+
+    def pg(self, kind: str):
+        if self.destroyed:  # never fall back to the world group (pg=None) after a destroy
+            raise RuntimeError("lins: the engine's process groups were destroyed (engine.destroy()); "
+                               "build a new engine to train again")
+        return self._pg.get(kind)
+
+    def destroy(self) -> None:
+        """Destroy this rank's groups (idempotent)."""
+        for pg in self._pg.values():
+            destroy_group(pg)
+        self._pg.clear()
+        self.destroyed = True
+
+
+# --- Lins' tensor collectives ------------------------------------------------------------------------------
+def all_gather(groups: Groups, kind: str, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    """Gather ``inp`` of every member into ``out`` in group order. ``inp`` may alias its slot of ``out``.
+    The version counter of ``out`` is preserved: autograd may hold views of it across the gather."""
+    if groups.size(kind) == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return None
+    _record("all_gather", kind, out)
+    with torch.autograd._unsafe_preserve_version_counter(out):
+        return dist.all_gather_into_tensor(out, inp, group=groups.pg(kind), async_op=async_op)
+
+
+def reduce_scatter(groups: Groups, kind: str, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    """Sum ``inp`` over the group; member i receives chunk i in ``out``."""
+    if groups.size(kind) == 1:
+        out.copy_(inp)
+        return None
+    _record("reduce_scatter", kind, inp)
+    return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=groups.pg(kind), async_op=async_op)
+
+
+def all_reduce(groups: Optional[Groups], kind: str, t: torch.Tensor, op=None, async_op: bool = False):
+    """Sum (or ``op``) ``t`` in place over the group kind, or over the world for kind "world"."""
+    op = dist.ReduceOp.SUM if op is None else op
+    if kind == "world":
+        if world_size() == 1:
+            return None
+        _record("all_reduce", kind, t)
+        return dist.all_reduce(t, op=op, async_op=async_op)
+    if groups.size(kind) == 1:
+        return None
+    _record("all_reduce", kind, t)
+    return dist.all_reduce(t, op=op, group=groups.pg(kind), async_op=async_op)
+
+
+# --- the profiler's timed collectives (plain torch.distributed on a given group) ---------------------------
+def timed_collective(op: str, out: torch.Tensor, inp: torch.Tensor, pg, src: int) -> None:
+    """One ``op`` ("all_gather", "reduce_scatter", "all_reduce", "broadcast") on ``pg``, synchronous."""
+    if op == "all_gather":
+        _ALL_GATHER(out, inp, group=pg)
+    elif op == "reduce_scatter":
+        _REDUCE_SCATTER(out, inp, group=pg)
+    elif op == "all_reduce":
+        tdist.all_reduce(out, group=pg)
+    else:
+        tdist.broadcast(out, src=src, group=pg)
+
+
+def max_over_world(x: float, device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return t.item()
+
+
+# --- objects and agreement -------------------------------------------------------------------------------
+def barrier() -> None:
+    tdist.barrier()
+
+
+def all_gather_object(obj) -> list:
+    out = [None] * world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` on every rank."""
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def agree(error: Optional[str]) -> Optional[str]:
+    """Every rank's outcome of a local step (None = fine, else its error message), combined: every rank
+    returns the first error any rank saw, so all of them fail together (none waits in a collective
+    another has abandoned)."""
+    errors = [e for e in all_gather_object(error) if e]
+    return errors[0] if errors else None

@@ -1,0 +1,69 @@
+"""Every DeepSpeed internal LinsEngine relies on, in one place, checked when the engine is imported.
+
+LinsEngine subclasses ``DeepSpeedEngine`` and overrides or calls a few of its methods that are not
+public API, so a DeepSpeed release can break it (0.19.8 removed ``_configure_compression_scheduler``
+and ``_configure_quantization``). Each name below is checked at import; a missing one is one clear
+``ImportError`` naming the DeepSpeed version and the supported range, instead of an ``AttributeError``
+from deep inside ``deepspeed.initialize``. ``tests/test_ds_compat.py`` holds this list against the
+installed DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import deepspeed
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+SUPPORTED = ">=0.19.6,<0.20"  # what CI tests: 0.19.6 (the last with MiCS) and the newest 0.19.x
+
+# DeepSpeedEngine methods LinsEngine overrides or calls, and why.
+ENGINE_METHODS = {
+    "_configure_optimizer": "overridden: builds LinsOptimizer instead of ZeRO / fp16 / bf16 wrappers",
+    "_configure_basic_optimizer": "called: the optimizer named in the config's \"optimizer\" block",
+    "_check_for_duplicates": "called: rejects a parameter listed in two param groups, as DeepSpeed does",
+    "allreduce_gradients": "overridden: Lins' own reduction at the accumulation boundary",
+    "clip_fp32_gradients": "overridden: LinsOptimizer clips on the global norm of the sharded gradients",
+    "get_global_grad_norm": "overridden: the norm stays on the device until asked for",
+    "is_gradient_accumulation_boundary": "called: starts the replica AllReduce in the boundary backward",
+    "destroy": "overridden: waits for Lins' collectives and destroys its process groups",
+}
+# Attributes DeepSpeedEngine.__init__ sets that LinsEngine reads or writes.
+ENGINE_ATTRIBUTES = ("inside_no_sync_ctxt", "_global_grad_norm", "_config")
+# Called after the optimizer is built where this DeepSpeed has them (0.19.6; removed in 0.19.8): the
+# engine's step reads the attributes they set.
+OPTIONAL_ENGINE_SETUP = {"_configure_compression_scheduler": "compression_scheduler",
+                         "_configure_quantization": "quantizer"}
+# The sharded optimizer derives from ZeROOptimizer; the engine's backward calls these on it.
+OPTIMIZER_HOOKS = ("backward_prologue", "backward_epilogue", "enter_backward", "exit_backward")
+# deepspeed.initialize builds its engine through this module-global name (integrations/deepspeed_patch.py).
+MODULE_GLOBALS = ("DeepSpeedEngine", "initialize")
+
+
+def _missing() -> list:
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    gone = [f"DeepSpeedEngine.{m}" for m in ENGINE_METHODS if not callable(getattr(DeepSpeedEngine, m, None))]
+    gone += [f"ZeROOptimizer.{m}" for m in OPTIMIZER_HOOKS if not callable(getattr(ZeROOptimizer, m, None))]
+    gone += [f"deepspeed.{g}" for g in MODULE_GLOBALS if not hasattr(deepspeed, g)]
+    return gone
+
+
+def check() -> None:
+    """Raise ImportError naming what this DeepSpeed lacks (attributes are checked on the first engine)."""
+    gone = _missing()
+    if gone:
+        raise ImportError(f"lins_ds needs {', '.join(gone)}, which deepspeed {deepspeed.__version__} lacks; "
+                          f"lins_ds supports deepspeed{SUPPORTED} (pip install 'deepspeed{SUPPORTED}')")
+
+
+def check_engine_attributes(engine) -> None:
+    gone = [a for a in ENGINE_ATTRIBUTES if not hasattr(engine, a)]
+    if gone:
+        raise RuntimeError(f"lins_ds needs DeepSpeedEngine attributes {gone}, which deepspeed "
+                           f"{deepspeed.__version__} does not set; lins_ds supports deepspeed{SUPPORTED}")
+
+
+def finish_optimizer_setup(engine) -> None:
+    """What DeepSpeedEngine._configure_optimizer does after building the optimizer, on this release."""
+    for method, attribute in OPTIONAL_ENGINE_SETUP.items():
+        if hasattr(engine, method):
+            setattr(engine, attribute, getattr(engine, method)())

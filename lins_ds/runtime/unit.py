@@ -1,0 +1,302 @@
+"""One unit's flat buffers and the transitions of its parameters and gradients (docs/design.md §4).
+
+A unit is one repeated layer (a decoder block) or the root (every other trainable parameter). Its
+parameters live in one flat buffer, ordered by optimizer param group so that each group is one
+contiguous range, and padded so that s_os chunks of ``ALIGN``-multiple length cover it. Offsets of
+the chunks this rank owns come from the pure layout; nothing here re-derives the plan.
+
+The unit owns its state; callers ask for transitions, never set a state themselves:
+
+    parameters  SHARDED --start_gather--> GATHERING --wait_gather--> GATHERED --release--> SHARDED
+                (s_p == 1: always GATHERED)
+    gradients   ACCUMULATING --all grads in, start_reduce--> REDUCING --finish_reduce--> REDUCED
+                REDUCED --start_replica_reduce (boundary)--> REPLICA_REDUCED
+                REDUCED --begin_backward--> ACCUMULATING;  any --reset_grads--> ACCUMULATING
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..plan import Layout, Topology
+from ..plan.layout import chunks
+from .config import LinsConfigError
+
+ALIGN = 64  # elements; keeps every chunk 128-byte aligned in 16-bit dtypes
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"  # only the P chunk is materialised (s_p > 1)
+    GATHERING = "gathering"  # an AllGather into the full buffer is in flight (prefetch)
+    GATHERED = "gathered"  # the full buffer is materialised; parameters are views into it
+
+
+class GradState(enum.Enum):
+    ACCUMULATING = "accumulating"  # this backward's gradients are arriving in the parameters' .grad
+    REDUCING = "reducing"  # their ReduceScatter is in flight (s_g > 1)
+    REDUCED = "reduced"  # this backward's gradient is in the G accumulator
+    REPLICA_REDUCED = "replica-reduced"  # the G chunk's AllReduce over its replicas was launched (boundary)
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    group: int  # optimizer param-group index
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Element ranges [start, start + size) of this rank's chunks, in unit coordinates."""
+
+    padded: int
+    p_start: int
+    p_size: int
+    g_start: int
+    g_size: int
+    os_start: int
+    os_size: int
+
+    @classmethod
+    def make(cls, numel: int, topo: Topology, layout: Layout, rank: int) -> "ChunkSpec":
+        s_p, s_g, s_os = layout.sharding()
+        os_size = -(-max(numel, 1) // (s_os * ALIGN)) * ALIGN
+        padded = os_size * s_os
+        c = chunks(topo, layout, rank)
+        p_size, g_size = padded // s_p, padded // s_g
+        return cls(padded, c.p * p_size, p_size, c.g * g_size, g_size, c.os * os_size, os_size)
+
+
+class Unit:
+    """One unit's storage and state. ``full`` holds the gathered parameters (always, when s_p == 1);
+    ``p_shard`` the P chunk when s_p > 1; ``g_acc`` the accumulated G chunk (the whole unit when s_g == 1)."""
+
+    def __init__(self, name: str, slots: list, spec: ChunkSpec, layout: Layout, groups: comm.Groups,
+                 accum_dtype: torch.dtype, reduce_dtype: torch.dtype, modules: Optional[list] = None):
+        self.name, self.slots, self.spec, self.modules = name, slots, spec, modules or []
+        self.groups, self.reduce_dtype = groups, reduce_dtype
+        self.sharded_p, self.sharded_g = layout.p.size > 1, layout.g.size > 1
+        dtypes, devices = {s.param.dtype for s in slots}, {s.param.device for s in slots}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise LinsConfigError(f"lins: unit {name} mixes dtypes {sorted(map(str, dtypes))} or devices; "
+                                  "every trainable parameter of a unit must share dtype and device")
+        self.dtype, self.device = dtypes.pop(), devices.pop()
+        self.numel = sum(s.numel for s in slots)
+        self.full = torch.zeros(spec.padded, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for s in slots:
+                self.full[s.offset:s.offset + s.numel].copy_(s.param.data.reshape(-1))
+                s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+        self.p_shard = self.full[spec.p_start:spec.p_start + spec.p_size].clone() if self.sharded_p else None
+        self.g_acc = torch.zeros(spec.g_size if self.sharded_g else spec.padded, dtype=accum_dtype, device=self.device)
+        # s_g == 1 and gradients accumulate in the parameter dtype: each .grad is a view into g_acc, so
+        # autograd accumulates in place and nothing is copied (DDP's gradient_as_bucket_view)
+        self.grad_views = ([self.g_acc[s.offset:s.offset + s.numel].view(s.shape) for s in slots]
+                           if not self.sharded_g and accum_dtype == self.dtype else None)
+        self.param_state, self.grad_state = ParamState.GATHERED, GradState.ACCUMULATING
+        self._pending: set = set()  # parameters whose gradient arrived in this backward
+        self._gather_work = self._sync_work = self._replica_work = None
+        self._reduce = None  # (work, output, staging) of an in-flight ReduceScatter
+        self._replica_tmp = None
+        self.attach_grads()
+        self.release()
+
+    # --- parameters ------------------------------------------------------------------------
+    @property
+    def p_storage(self) -> torch.Tensor:
+        """This rank's P chunk, where the optimizer writes updated parameters."""
+        return self.p_shard if self.sharded_p else self.full
+
+    @property
+    def p_base(self) -> int:
+        return self.spec.p_start if self.sharded_p else 0
+
+    @property
+    def g_base(self) -> int:
+        return self.spec.g_start if self.sharded_g else 0
+
+    @property
+    def syncing(self) -> bool:
+        """A P-sync AllGather (after the optimizer step) is in flight."""
+        return self._sync_work is not None
+
+    def start_gather(self) -> None:
+        """Launch the AllGather of the full parameters without waiting (prefetch); a no-op unless SHARDED."""
+        self.wait_param_sync()
+        if self.param_state is not ParamState.SHARDED:
+            return
+        nbytes = self.spec.padded * self.full.element_size()
+        if self.full.untyped_storage().size() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+        self._gather_work = comm.all_gather(self.groups, "p", self.full, self.p_shard, async_op=True)
+        self.param_state = ParamState.GATHERING
+
+    def wait_gather(self) -> None:
+        """Make the full parameters current and usable on this stream."""
+        self.start_gather()
+        if self.param_state is ParamState.GATHERING:
+            if self._gather_work is not None:
+                self._gather_work.wait()
+            self._gather_work = None
+            self.param_state = ParamState.GATHERED
+
+    def release(self) -> None:
+        """Free the full buffer (s_p > 1), never while a collective still writes into it."""
+        if not self.sharded_p or self.param_state is ParamState.SHARDED:
+            return
+        self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+        self.param_state = ParamState.SHARDED
+
+    def start_param_sync(self, async_op: bool) -> None:
+        """After the optimizer: this rank's P chunk from the OS chunks of its P-sync group."""
+        work = comm.all_gather(self.groups, "p_sync", self.p_storage, self.os_params(), async_op=async_op)
+        self._sync_work = work if async_op else None
+
+    def wait_param_sync(self) -> None:
+        if self._sync_work is not None:
+            self._sync_work.wait()
+            self._sync_work = None
+
+    # --- gradients -------------------------------------------------------------------------
+    def attach_grads(self) -> None:
+        """Point every .grad at its slice of g_acc (in-place mode) or clear it."""
+        for i, s in enumerate(self.slots):
+            s.param.grad = self.grad_views[i] if self.grad_views is not None else None
+
+    def grad_arrived(self, param) -> bool:
+        """Note ``param``'s gradient; True once every parameter of the unit has one in this backward."""
+        self._pending.add(param)
+        return len(self._pending) == len(self.slots)
+
+    def begin_backward(self) -> None:
+        if self.grad_state is GradState.REDUCED:
+            self.grad_state = GradState.ACCUMULATING
+
+    def start_reduce(self, staging: Optional[torch.Tensor]) -> bool:
+        """Move this backward's gradients towards the G accumulation: local accumulation when s_g = 1 (in
+        place where the gradients are views into it), else a ReduceScatter launched now, staged in
+        ``staging``. True when a ReduceScatter is in flight (``finish_reduce`` completes it)."""
+        self._pending.clear()
+        if self.grad_views is not None:
+            self._adopt_grads()
+            self.grad_state = GradState.REDUCED
+            return False
+        flat = self._stage(staging)
+        if not self.sharded_g:
+            self.g_acc.add_(flat)
+            self.grad_state = GradState.REDUCED
+            return False
+        out = torch.empty(self.spec.g_size, dtype=self.reduce_dtype, device=self.device)
+        work = comm.reduce_scatter(self.groups, "g", out, flat, async_op=True)
+        self._reduce = (work, out)
+        self.grad_state = GradState.REDUCING
+        return True
+
+    def finish_reduce(self) -> None:
+        """Wait for the ReduceScatter and accumulate its chunk."""
+        work, out = self._reduce
+        if work is not None:
+            work.wait()
+        self.g_acc.add_(out)
+        self._reduce = None
+        self.grad_state = GradState.REDUCED
+
+    def start_replica_reduce(self) -> None:
+        """The G chunk is final for this accumulation window: AllReduce it over its replicas (once)."""
+        if self.grad_state is GradState.REPLICA_REDUCED:
+            return
+        if self.groups.size("g_replica") > 1:
+            tmp = None if self.g_acc.dtype == self.reduce_dtype else self.g_acc.to(self.reduce_dtype)
+            self._replica_work = comm.all_reduce(self.groups, "g_replica", self.g_acc if tmp is None else tmp,
+                                                 async_op=True)
+            self._replica_tmp = tmp
+        self.grad_state = GradState.REPLICA_REDUCED
+
+    def finish_replica_reduce(self) -> None:
+        if self._replica_work is not None:
+            self._replica_work.wait()
+        if self._replica_tmp is not None:
+            self.g_acc.copy_(self._replica_tmp)
+        self._replica_work = self._replica_tmp = None
+
+    def reset_grads(self) -> None:
+        """After the optimizer step (or a skipped one): an empty accumulator for the next window."""
+        self.g_acc.zero_()
+        self._pending.clear()
+        self.grad_state = GradState.ACCUMULATING
+
+    def wait_all(self) -> None:
+        """Wait for every collective of this unit still in flight; issues none."""
+        self.wait_param_sync()
+        if self.param_state is ParamState.GATHERING:
+            self.wait_gather()
+        if self.grad_state is GradState.REDUCING:
+            self.finish_reduce()
+        self.finish_replica_reduce()
+
+    def _adopt_grads(self) -> None:
+        """In-place mode: a .grad that autograd allocated itself (after someone set grads to None)
+        is added into g_acc and replaced by the view."""
+        for s, view in zip(self.slots, self.grad_views):
+            g = s.param.grad
+            if g is not None and g.data_ptr() != view.data_ptr():
+                view.add_(g.reshape(view.shape))
+            s.param.grad = view
+
+    def _stage(self, staging: torch.Tensor) -> torch.Tensor:
+        """The unit's gradients, flat in the reduce dtype, in ``staging`` (the .grads are cleared)."""
+        flat = staging[:self.spec.padded]
+        flat[self.numel:].zero_()  # padding; every parameter range is written below
+        for s in self.slots:
+            dest = flat[s.offset:s.offset + s.numel]
+            if s.param.grad is None:
+                dest.zero_()  # unused in this backward
+            else:
+                dest.copy_(s.param.grad.reshape(-1))
+                s.param.grad = None
+        return flat
+
+    # --- ranges ----------------------------------------------------------------------------
+    def group_range(self, group: int) -> Optional[tuple]:
+        """[start, end) of param group ``group`` in unit coordinates (contiguous by construction)."""
+        mine = [s for s in self.slots if s.group == group]
+        if not mine:
+            return None
+        return mine[0].offset, mine[-1].offset + mine[-1].numel
+
+    def os_segment(self, group: int) -> Optional[tuple]:
+        """The part of param group ``group`` inside this rank's OS chunk, or None."""
+        rng = self.group_range(group)
+        if rng is None:
+            return None
+        lo = max(rng[0], self.spec.os_start)
+        hi = min(rng[1], self.spec.os_start + self.spec.os_size)
+        return (lo, hi) if lo < hi else None
+
+    def os_grad(self) -> torch.Tensor:
+        """The accumulated gradient of this rank's OS chunk (a view into ``g_acc``)."""
+        start = self.spec.os_start - self.g_base
+        return self.g_acc[start:start + self.spec.os_size]
+
+    def os_params(self) -> torch.Tensor:
+        """This rank's OS chunk of the parameters (a view into the P storage)."""
+        start = self.spec.os_start - self.p_base
+        return self.p_storage[start:start + self.spec.os_size]
+
+    def pieces(self, lo: int, hi: int):
+        """(slot, [a, b) within the parameter, [s, e) within [lo, hi)) for every parameter overlapping the
+        unit range [lo, hi): what a range of this unit is, by parameter name (checkpoints)."""
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                yield slot, (a - slot.offset, b - slot.offset), (a - lo, b - lo)

@@ -1,0 +1,80 @@
+"""The package's import graph goes one way (docs/design.md §5):
+
+    plan  <-  comm, dtypes  <-  profiler  <-  runtime  <-  checkpoint  <-  integrations  <-  cli, run, tools
+
+and plan/ imports no torch. Checked on the source (every import statement, also those inside functions).
+"""
+
+import ast
+import os
+
+import lins_ds
+
+PKG = os.path.dirname(lins_ds.__file__)
+LAYERS = [{"plan"}, {"comm", "dtypes"}, {"profiler"}, {"runtime"}, {"checkpoint"}, {"integrations"},
+          {"cli", "run", "tools", "__init__"}]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def part_of(module: str) -> str:
+    """The top-level part of lins_ds a dotted module name (``lins_ds.x.y``) belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: str, module: str) -> list:
+    """Every lins_ds module (and every top-level package) ``path`` imports, resolved to absolute names."""
+    tree = ast.parse(open(path).read(), path)
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                out += [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+            else:
+                out.append(node.module)
+    return out
+
+
+def modules():
+    for folder, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
+                yield path, rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def test_imports_go_one_way():
+    bad = []
+    for path, module in modules():
+        mine = part_of(module)
+        for target in imports(path, module):
+            if target.startswith("lins_ds.") or target == "lins_ds":
+                theirs = part_of(target)
+                if theirs in RANK and RANK[theirs] > RANK[mine]:
+                    bad.append(f"{module} imports {target}")
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_every_part_has_a_layer():
+    parts = {part_of(m) for _, m in modules()}
+    assert parts <= set(RANK), parts - set(RANK)
+
+
+def test_the_planner_imports_no_torch():
+    for path, module in modules():
+        if part_of(module) == "plan":
+            heavy = [t for t in imports(path, module) if t.split(".")[0] in ("torch", "deepspeed", "transformers")]
+            assert not heavy, (module, heavy)
+
+
+def test_the_engine_never_imports_tools():
+    for path, module in modules():
+        if part_of(module) not in ("cli", "run", "tools", "__init__"):
+            assert not any(t.startswith("lins_ds.tools") for t in imports(path, module)), module
