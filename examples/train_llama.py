@@ -26,23 +26,9 @@ import torch
 
 import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine for configs with a "lins" block)
 from lins_ds.plan import load_model
-from lins_ds.tools.baselines import emulate_nodes, model_init_context
+from lins_ds.tools.baselines import emulate_nodes, llama_config, model_init_context
 
 H200_BF16_TFLOPS = 989.0
-
-
-def hf_config(name: str, seq_len: int):
-    """A transformers LlamaConfig with the shapes of the planner's built-in model ``name``."""
-    import transformers
-
-    spec = load_model(name)
-    if spec.arch != "llama":
-        raise SystemExit(f"train_llama: --model {name} is a {spec.arch} model; this script trains LLaMA shapes")
-    return transformers.LlamaConfig(
-        hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate, vocab_size=spec.vocab,
-        tie_word_embeddings=spec.tied_embeddings, max_position_embeddings=max(seq_len, 128),
-        attn_implementation="sdpa")
 
 
 def batches(vocab: int, seq_len: int, micro_batch: int, seed: int, device):
@@ -67,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
     p.add_argument("--lins-memory-gb", type=float, help="override lins.gpu_memory_gb (the solver's budget)")
     p.add_argument("--lins-plan", help="override lins.plan with JSON, e.g. '{\"p\": [2, 1], \"g\": [2, 1], \"os\": [2, 1]}'")
+    p.add_argument("--lins-checkpointing", help="override lins.activation_checkpointing: true, false or a number of units")
     p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
@@ -89,10 +76,13 @@ def ds_config_for(args: argparse.Namespace) -> dict:
             cfg[key] = value
             cfg.pop("train_batch_size", None)
     if isinstance(cfg.get("lins"), dict):
+        cfg["lins"].setdefault("seq_len", args.seq_len)  # what the solver sizes activations for
         if args.lins_memory_gb:
             cfg["lins"] = {**cfg["lins"], "gpu_memory_gb": args.lins_memory_gb}
         if args.lins_plan:
             cfg["lins"] = {**cfg["lins"], "plan": json.loads(args.lins_plan)}
+        if args.lins_checkpointing:
+            cfg["lins"] = {**cfg["lins"], "activation_checkpointing": json.loads(args.lins_checkpointing)}
     return emulate_nodes(cfg, args.gpus_per_node) if args.gpus_per_node else cfg
 
 
@@ -114,13 +104,25 @@ def build_engine(args, ds_config: dict, device: torch.device):
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with model_init_context(ds_config, device):
-        model = transformers.LlamaForCausalLM(hf_config(args.model, args.seq_len))
+        model = transformers.LlamaForCausalLM(llama_config(args.model, args.seq_len))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine, model, time.perf_counter() - t0
 
 
+class Memory:
+    """Allocated / peak GiB at the phases of the first step (CUDA), to account for where memory goes."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.phases = cuda, []
+
+    def mark(self, phase: str) -> None:
+        if self.cuda:
+            self.phases.append({"phase": phase, "allocated_gb": torch.cuda.memory_allocated() / 2**30,
+                                "peak_gb": torch.cuda.max_memory_allocated() / 2**30})
+
+
 def train(args, engine, model, device) -> tuple:
-    """Per step: the mean loss over every rank's micro-batches, and the wall time."""
+    """Per step: the mean loss over every rank's micro-batches, and the wall time; memory by phase of step 1."""
     from deepspeed import comm as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -128,7 +130,8 @@ def train(args, engine, model, device) -> tuple:
     data = batches(model.config.vocab_size, args.seq_len, engine.train_micro_batch_size_per_gpu(),
                    args.seed + rank, device)
     gas = engine.gradient_accumulation_steps()
-    losses, times, tracer = [], [], trace(args, rank, cuda)
+    losses, times, tracer, memory = [], [], trace(args, rank, cuda), Memory(cuda)
+    memory.mark("after deepspeed.initialize")
     for step in range(args.steps):
         if tracer is not None and step == args.warmup_steps:
             tracer.__enter__()
@@ -136,11 +139,14 @@ def train(args, engine, model, device) -> tuple:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         total = torch.zeros((), device=device)
-        for _ in range(gas):
+        for micro in range(gas):
             x = next(data)
             loss = engine(input_ids=x, labels=x).loss
+            memory.mark(f"forward {micro}") if step == 0 else None
             engine.backward(loss)
+            memory.mark(f"backward {micro}") if step == 0 else None
             engine.step()
+            memory.mark(f"step {micro}") if step == 0 else None
             total += loss.detach().float() / gas
         dist.all_reduce(total)
         if cuda:
@@ -153,7 +159,7 @@ def train(args, engine, model, device) -> tuple:
             tracer.__exit__(None, None, None)
             write_trace_summary(tracer, args.trace_summary, cuda)
             tracer = None
-    return losses, times
+    return losses, times, memory.phases
 
 
 def trace(args, rank: int, cuda: bool):
@@ -171,7 +177,7 @@ def write_trace_summary(prof, path: str, cuda: bool) -> None:
         f.write(prof.key_averages().table(sort_by=key, row_limit=30))
 
 
-def summarize(args, engine, losses, times, startup_s: float, cuda: bool) -> dict:
+def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) -> dict:
     from deepspeed import comm as dist
 
     timed = times[args.warmup_steps:] or times
@@ -184,12 +190,34 @@ def summarize(args, engine, losses, times, startup_s: float, cuda: bool) -> dict
         "config": os.path.basename(str(args.deepspeed_config)), "model": args.model,
         "world_size": dist.get_world_size(), "gpus_per_node": args.gpus_per_node, "seq_len": args.seq_len,
         "samples_per_gpu_per_step": samples, "steps": args.steps, "median_step_s": step_s,
-        "tokens_per_gpu_s": tokens_per_gpu_s, "startup_s": startup_s,
+        "tokens_per_gpu_s": tokens_per_gpu_s, **startup,
         "mfu": tokens_per_gpu_s * flops / (H200_BF16_TFLOPS * 1e12) if cuda else None,
-        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        # training only (the statistics are reset after start-up); the worst rank's
+        "peak_memory_gb": max_over_ranks(torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
+        "peak_reserved_gb": max_over_ranks(torch.cuda.max_memory_reserved() / 2**30) if cuda else None,
+        "memory_phases": phases,
         "losses": losses, "step_times_s": times,
         "plan": lins.plan.to_json() if lins is not None else None,
     }
+
+
+def max_over_ranks(x: float) -> float:
+    from deepspeed import comm as dist
+
+    t = torch.tensor([x], dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def startup_memory(startup_s: float, cuda: bool) -> dict:
+    """Start-up wall time and peaks (GPU, and host RSS of this rank); the GPU statistics are reset after."""
+    import resource
+
+    out = {"startup_s": startup_s, "startup_host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if cuda:
+        out["startup_peak_gb"] = max_over_ranks(torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 def main(argv=None) -> dict:
@@ -199,8 +227,9 @@ def main(argv=None) -> dict:
     ds_config = ds_config_for(args)
     device = setup_device()
     engine, model, startup_s = build_engine(args, ds_config, device)
-    losses, times = train(args, engine, model, device)
-    summary = summarize(args, engine, losses, times, startup_s, device.type == "cuda")
+    startup = startup_memory(startup_s, device.type == "cuda")
+    losses, times, phases = train(args, engine, model, device)
+    summary = summarize(args, engine, losses, times, phases, startup, device.type == "cuda")
     if dist.get_rank() == 0 and args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

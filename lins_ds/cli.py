@@ -24,8 +24,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, required=True)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     ck = p.add_mutually_exclusive_group()
-    ck.add_argument("--activation-checkpointing", dest="ckpt", action="store_true", default=None)
+    ck.add_argument("--activation-checkpointing", dest="ckpt", action="store_true", default=None,
+                    help="checkpoint every layer unit (default: the solver picks how many, 0..N)")
     ck.add_argument("--no-activation-checkpointing", dest="ckpt", action="store_false")
+    ck.add_argument("--checkpoint-units", dest="ckpt", type=int, metavar="K", help="checkpoint the first K layer units")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--cluster", help="built-in synthetic cluster (default a800-ib)")
     src.add_argument("--profile", help="profile table JSON written by lins-ds profile")
@@ -34,8 +36,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient communication dtype (default: --dtype)")
     p.add_argument("--reserved-gb", type=float, default=2.0, help="CUDA context + communicator buffers, GiB")
     p.add_argument("--fragmentation", type=float, default=0.05, help="allocator margin, fraction")
-    p.add_argument("--objective", default="comm", choices=["comm", "step"],
-                   help="comm: communication + recompute (the paper's); step: also the optimizer update")
+    p.add_argument("--objective", default="step", choices=["step", "comm"],
+                   help="step (default): exposed communication after overlap + recompute + optimizer update; "
+                        "comm: all communication + recompute (the paper's, for its Table III)")
     p.add_argument("--format", default="table", choices=["table", "json"])
 
 
@@ -111,6 +114,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_memory_bench(args: argparse.Namespace) -> int:
+    from .tools.memory_bench import main as memory_bench_main
+
+    return memory_bench_main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .tools.bench import main as bench_main
 
@@ -135,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-mb", type=float, help="largest message in MiB")
     pr.add_argument("--validate", action="store_true", help="also time every candidate plan's collectives "
                     "on their real groups and report prediction error")
-    pr.add_argument("--model", default="llama-1b", help="with --validate: model whose units are timed")
+    pr.add_argument("--memory", action="store_true", help="also measure the activation memory of --model (one "
+                    "layer unit and the head, as the engine does at start-up) and cache it beside the profiles")
+    pr.add_argument("--model", default="llama-1b", help="with --validate / --memory: the model (a built-in name)")
+    pr.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="with --memory")
     pr.add_argument("--seq-len", type=int, default=2048)
     pr.add_argument("--micro-batch-size", type=int, default=1)
     pr.add_argument("--grad-accum", type=int, default=1)
@@ -169,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(b)
     b.set_defaults(func=cmd_bench)
+    mb = sub.add_parser("memory-bench", help="predicted next to measured peak memory, Lins and DeepSpeed (GPUs)")
+    from .tools.memory_bench import add_arguments as add_memory_bench_arguments
+
+    add_memory_bench_arguments(mb)
+    mb.set_defaults(func=cmd_memory_bench)
     return parser
 
 

@@ -22,3 +22,19 @@ def test_bench_runs_baselines_and_lins_plans_side_by_side(tmp_path):
     assert rows["lins_as_zero2"]["plan"]["g"] == {"intra": 2, "inter": 1}  # "all" on one host of 2
     assert all(row["tokens_per_gpu_s"] > 0 and row["vs_best_deepspeed"] > 0 for row in rows.values())
     assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_memory_bench_writes_predicted_and_measured_rows(tmp_path):
+    cmd = [sys.executable, "-m", "lins_ds.cli", "memory-bench", "--nproc", "2", "--model", "tiny", "--seq-len", "32",
+           "--micro-batch-size", "2", "--grad-accum", "2", "--steps", "2", "--runs",
+           "zero1,lins-zero1-layout,lins-partial-ckpt", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "tiny.json") as f:
+        rows = {row["run"]: row for row in json.load(f)["rows"]}
+    assert set(rows) == {"zero1", "lins-zero1-layout", "lins-partial-ckpt"}
+    lins = rows["lins-zero1-layout"]
+    assert lins["plan"] == "P=1x1 G=1x1 OS=2x1" and lins["activation_checkpointing"] == "0 of 4"
+    assert lins["predicted_peak_gib"] > 0 and lins["memory_profile"] == "formula"  # measured on GPUs only
+    assert rows["lins-partial-ckpt"]["budget_gib"] > 0 and rows["zero1"]["predicted_peak_gib"] is None
+    assert (tmp_path / "tiny.png").stat().st_size > 0

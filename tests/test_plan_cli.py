@@ -6,7 +6,7 @@ import pytest
 
 from lins_ds.cli import main
 
-PAPER = ["--grad-accum-dtype", "fp32", "--cluster", "a800-ib", "--nodes", "128", "--gpus-per-node", "8",
+PAPER = ["--objective", "comm", "--grad-accum-dtype", "fp32", "--cluster", "a800-ib", "--nodes", "128", "--gpus-per-node", "8",
          "--gpu-memory-gb", "80", "--seq-len", "4096", "--micro-batch-size", "1", "--grad-accum", "1"]
 
 

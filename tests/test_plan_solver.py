@@ -67,7 +67,9 @@ def test_deterministic_and_independent_of_candidate_order():
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_more_memory_never_yields_more_sharding(ckpt):
+def test_more_memory_never_yields_a_slower_plan(ckpt):
+    """More memory only adds candidates: the objective never grows, and a change of plan is a faster one.
+    (Not "never more sharding": sharding G adds ReduceScatter staging, so it can cost memory in small models.)"""
     rng = random.Random(4)
     for _ in range(15):
         topo, model, train = _random_case(rng)
@@ -80,11 +82,11 @@ def test_more_memory_never_yields_more_sharding(ckpt):
             except NoFeasiblePlan:
                 assert prev is None, "a plan that fitted must still fit with more memory"
                 continue
-            cur = sol.plan.layout.sharding()
+            cur = (sol.plan.layout, sol.plan.activation_checkpointing_units)
             if prev is not None:
-                assert not (all(c >= p for c, p in zip(cur, prev)) and cur != prev), (cap, prev, cur)
                 assert sol.best.objective_s <= prev_obj + 1e-12
-            prev, prev_obj = cur, sol.best.objective_s
+                assert cur == prev or sol.best.objective_s < prev_obj or sol.best.sort_key() < prev_key, (cap, prev, cur)
+            prev, prev_obj, prev_key = cur, sol.best.objective_s, sol.best.sort_key()
 
 
 def test_infeasible_names_smallest_plan_and_deficit():
@@ -108,8 +110,9 @@ PAPER = dict(topo=Topology(128, 8), train=TrainingSpec(4096, 1, 1), mem=MemorySp
 
 
 def _paper(model, train=PAPER["train"]):
+    """The paper ranks plans by communication (its Table III): objective "comm"."""
     return solve(BUILTIN_MODELS[model], PAPER["topo"], train, PAPER["mem"], _table(PAPER["topo"]),
-                 PAPER["compute"])
+                 PAPER["compute"], objective="comm")
 
 
 def test_paper_7b_replicates_p_and_g_and_shards_os_inside_a_node():
@@ -135,6 +138,7 @@ def test_step_objective_prices_the_optimizer_update():
     topo = Topology(1, 2)
     args = (BUILTIN_MODELS["llama-1b"], topo, TrainingSpec(2048, 2, 2), MemorySpec(139), _table(topo, "h200-emulated"),
             get_cluster("h200-emulated").compute())
-    comm, step = solve(*args), solve(*args, objective="step")
+    comm, step = solve(*args, objective="comm"), solve(*args)  # "step" is the default
     assert step.best.optimizer_s > 0 and step.plan.layout.os.size >= comm.plan.layout.os.size
-    assert step.best.objective_s == pytest.approx(step.best.comm_s + step.best.optimizer_s)
+    assert step.best.objective_s == pytest.approx(step.best.exposed_s + step.best.recompute_s + step.best.optimizer_s)
+    assert step.best.exposed_s <= step.best.comm_s

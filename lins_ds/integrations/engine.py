@@ -20,6 +20,7 @@ from .. import comm, dtypes
 from ..checkpoint.load import load
 from ..checkpoint.save import save
 from ..plan.layout import needs_unsorted_groups
+from ..runtime import checkpointing, memory_guard
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.optimizer import LinsOptimizer
 from ..runtime.planning import agree_on_plan, announce, make_plan
@@ -52,6 +53,7 @@ class LinsEngine(DeepSpeedEngine):
         object.__setattr__(self, "lins_config", cfg)
         object.__setattr__(self, "lins_topology", topo)
         object.__setattr__(self, "lins", None)
+        object.__setattr__(self, "_lins_solve", None)
         super().__init__(*args, config=config, config_class=config_class, optimizer=optimizer, **kwargs)
         ds_compat.check_engine_attributes(self)
         self.module.register_state_dict_pre_hook(self._gather_for_state_dict)
@@ -80,19 +82,28 @@ class LinsEngine(DeepSpeedEngine):
         self._check_for_duplicates(basic)
         self.basic_optimizer = basic
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
-        plan, summary = make_plan(self, self.lins_config, self.lins_topology, param_dtype, accum_dtype)
+        plan, summary, self._lins_solve = make_plan(self, self.lins_config, self.lins_topology, param_dtype,
+                                                    accum_dtype)
         agree_on_plan(plan)
-        if plan.activation_checkpointing and hasattr(self.module, "gradient_checkpointing_enable"):
-            self.module.gradient_checkpointing_enable()
         announce(summary)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync)
+        if self.lins_config.solve or self.lins_config.activation_checkpointing is not None:
+            checkpointing.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
                                        dynamic_loss_args=self.dynamic_loss_scale_args(),
                                        boundary=self._reduces_this_backward)
         ds_compat.finish_optimizer_setup(self)
+
+    def step(self, lr_kwargs=None):
+        """DeepSpeed's step; after the first optimizer step, the memory guard compares the measured peak with
+        the plan's prediction (docs/design.md §8)."""
+        before = self.global_steps
+        super().step(lr_kwargs=lr_kwargs)
+        if before == 0 and self.global_steps == 1:
+            memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device)
 
     def forward(self, *args, **kwargs):
         if self.lins is not None and self.lins.destroyed:

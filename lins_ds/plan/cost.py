@@ -95,6 +95,30 @@ def per_state(collectives: list[Collective]) -> dict[str, float]:
     return out
 
 
+PHASES = ("forward", "backward", "boundary", "param_sync")
+
+
+def per_phase(collectives: list[Collective]) -> dict[str, float]:
+    """Predicted seconds per step of the collectives issued in each phase."""
+    out = dict.fromkeys(PHASES, 0.0)
+    for c in collectives:
+        out[c.phase] += c.total_s
+    return out
+
+
+def exposed_seconds(collectives: list[Collective], forward_s: float, backward_s: float, grad_accum: int,
+                    overlap_param_sync: bool = True) -> float:
+    """The communication a step waits for when it overlaps as the executor does (docs/design.md §3): the
+    gathers and ReduceScatters of a phase behind that phase's compute, the boundary AllReduce behind the
+    last backward, the P-sync behind the next forward (or all of it, without overlap).
+    ``forward_s`` / ``backward_s``: compute of one micro-batch."""
+    ph = per_phase(collectives)
+    K = grad_accum
+    sync = max(0.0, ph["param_sync"] - forward_s) if overlap_param_sync else ph["param_sync"]
+    return (max(0.0, ph["forward"] - K * forward_s) + max(0.0, ph["backward"] - K * backward_s)
+            + max(0.0, ph["boundary"] - backward_s) + sync)
+
+
 def required_meshes(topo: Topology, layouts) -> set[Factor]:
     """Every mesh some layout's collectives run on: what a profile must cover."""
     meshes = {Factor(topo.gpus_per_node, topo.nodes)}

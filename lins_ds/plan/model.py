@@ -78,6 +78,10 @@ class ModelSpec:
         matmul = self.num_layers * self.layer_params() + self.vocab * self.hidden
         return 6.0 * matmul + 12.0 * self.num_layers * self.hidden * seq_len
 
+    def layer_forward_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of one decoder layer: what recomputing a checkpointed layer costs."""
+        return 2.0 * self.layer_params() + 4.0 * self.hidden * seq_len
+
     def to_json(self) -> dict:
         return dict(self.__dict__)
 

@@ -30,6 +30,8 @@ def explain_loss(winner: Evaluation, other: Evaluation) -> str:
     """Why ``other`` lost to ``winner``: the terms where it is slower."""
     w, o = per_state(list(winner.collectives)), per_state(list(other.collectives))
     parts = [f"T_{k} {1e3 * (o[k] - w[k]):+.2f} ms" for k in STATES if abs(o[k] - w[k]) > 1e-9]
+    if winner.objective == "step" and other.exposed_s != winner.exposed_s:
+        parts.append(f"exposed {1e3 * (other.exposed_s - winner.exposed_s):+.2f} ms")
     if other.optimizer_s != winner.optimizer_s:
         parts.append(f"optimizer {1e3 * (other.optimizer_s - winner.optimizer_s):+.2f} ms")
     if other.recompute_s != winner.recompute_s:
@@ -39,7 +41,7 @@ def explain_loss(winner: Evaluation, other: Evaluation) -> str:
 
 
 def describe(e: Evaluation) -> str:
-    return f"{e.layout}{', activation checkpointing' if e.checkpointing else ''}"
+    return f"{e.layout}{f', {e.ckpt_units} of {e.num_layers} layer units checkpointed' if e.checkpointing else ''}"
 
 
 def to_json(sol: Solution) -> dict:
@@ -47,12 +49,19 @@ def to_json(sol: Solution) -> dict:
     return {
         "plan": best.layout.to_json(),
         "activation_checkpointing": best.checkpointing,
+        "activation_checkpointing_units": best.ckpt_units,
+        "num_layers": best.num_layers,
         "memory_gb_per_gpu": round(best.memory.total_gb, 4),
+        "predicted_peak_allocated_gb": round(best.memory.allocated_gb, 4),
+        "peak_phase": best.memory.phase,
+        "memory_profile": best.memory.activation_source,
         "memory_breakdown_gb": best.memory.to_json(),
         "headroom_gb": round(best.capacity_gb - best.memory.total_gb, 4),
         "predicted_comm_s_per_step": best.comm_s,
         "predicted_recompute_s_per_step": best.recompute_s,
         "predicted_optimizer_s_per_step": best.optimizer_s,
+        "predicted_exposed_comm_s_per_step": best.exposed_s,
+        "objective": best.objective, "objective_s_per_step": best.objective_s,
         "predicted_s_per_state": per_state(list(best.collectives)),
         "collectives": [c.to_json() for c in best.collectives],
         "candidates_considered": sol.considered,
@@ -60,6 +69,7 @@ def to_json(sol: Solution) -> dict:
         "solve_time_s": sol.elapsed_s,
         "runner_up": None if sol.runner_up is None else {
             "plan": sol.runner_up.layout.to_json(), "activation_checkpointing": sol.runner_up.checkpointing,
+            "activation_checkpointing_units": sol.runner_up.ckpt_units,
             "predicted_comm_s_per_step": sol.runner_up.comm_s, "why_lost": explain_loss(best, sol.runner_up)},
         "fastest_infeasible": None if sol.fastest_infeasible is None else {
             "plan": sol.fastest_infeasible.layout.to_json(),
@@ -76,7 +86,7 @@ def to_table(sol: Solution) -> str:
     lines = [
         f"Lins plan for {plan.model} on {topo.nodes} node(s) x {topo.gpus_per_node} GPU(s) "
         f"(profile: {plan.profile_source})",
-        f"  activation checkpointing: {'on' if best.checkpointing else 'off'}"
+        f"  activation checkpointing: {best.ckpt_units} of {best.num_layers} layer units"
         + (f" (recompute {_ms(best.recompute_s).strip()} per step)" if best.checkpointing else ""),
         "",
         f"  {'state':<16}{'mesh intra x inter':>20}{'bytes/GPU':>14}{'predicted/step':>18}",
@@ -92,10 +102,13 @@ def to_table(sol: Solution) -> str:
                      f"{_bytes(c.nbytes):>11} x {c.calls:<4} {_ms(c.total_s)}")
     if not best.collectives:
         lines.append("    none (a single rank)")
-    lines += ["", f"  predicted communication: {_ms(best.comm_s).strip()} per step; optimizer update "
-              f"{_ms(best.optimizer_s).strip()}", "", "  memory per GPU:"]
+    lines += ["", f"  predicted communication: {_ms(best.comm_s).strip()} per step ({_ms(best.exposed_s).strip()} "
+              f"exposed after overlap); optimizer update {_ms(best.optimizer_s).strip()}; objective "
+              f"({best.objective}) {_ms(best.objective_s).strip()}", "",
+              f"  memory per GPU (activations: {best.memory.activation_source}; the peak is in the {best.memory.phase}):"]
     for k in TERMS:
         lines.append(f"    {k:<14}{_gib(best.memory.terms[k]):>12}")
+    lines.append(f"    {'peak allocated':<14}{_gib(best.memory.allocated_gb):>12}")
     lines.append(f"    {'total':<14}{_gib(best.memory.total_gb):>12} of {best.capacity_gb:g} GiB "
                  f"(headroom {_gib(best.capacity_gb - best.memory.total_gb)})")
     lines.append("")

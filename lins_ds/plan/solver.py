@@ -1,9 +1,11 @@
-"""Solver: the fastest layout that fits (docs/design.md §7). Enumerate every valid layout — a few hundred even
-at 1024 GPUs — and, unless the user fixed it, activation checkpointing on and off; drop what does not
-fit in memory; minimise the objective: ``"comm"`` (the paper's and the default) is predicted
-communication plus recompute; ``"step"`` adds the optimizer update, the one compute a layout changes
-(each rank updates 1/s_os of the model), which favours sharding OS when communication is cheap. Deterministic: ties go to the
-less sharded layout, then to the smaller layout in sort order, so every rank picks the same plan.
+"""Solver: the fastest plan that fits (docs/design.md §7). Enumerate every valid layout — a few hundred even at
+1024 GPUs — and, unless the user fixed it, how many layer units to checkpoint (0..N: selective activation
+checkpointing); drop what does not fit in memory; minimise the objective. ``"step"`` (the default) is what the
+user waits for: the communication left exposed after the executor's overlap, the recompute, and the optimizer
+update (each rank updates 1/s_os of the model); ``"comm"`` (the paper's, to reproduce its Table III) is all
+predicted communication plus recompute. Per layout the fewest checkpointed units that fit win (recompute only
+grows with them). Deterministic: ties go to the less sharded layout, then to the smaller layout in sort order,
+so every rank picks the same plan.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import cost
-from .memory import MemoryBreakdown, memory
+from .memory import ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
 from .profile_table import ProfileTable
 from .spec import MemorySpec, TrainingSpec
@@ -57,13 +59,19 @@ def optimizer_seconds(model: ModelSpec, train: TrainingSpec, s_os: int, compute:
 @dataclass(frozen=True)
 class Evaluation:
     layout: Layout
-    checkpointing: bool
+    ckpt_units: int  # layer units checkpointed (the first ones)
     memory: MemoryBreakdown
     collectives: tuple
     recompute_s: float
     capacity_gb: float
     optimizer_s: float = 0.0
-    objective: str = "comm"
+    objective: str = "step"
+    exposed_s: float = 0.0  # communication left after overlap
+    num_layers: int = 0
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.ckpt_units > 0
 
     @property
     def comm_s(self) -> float:
@@ -71,7 +79,9 @@ class Evaluation:
 
     @property
     def objective_s(self) -> float:
-        return self.comm_s + self.recompute_s + (self.optimizer_s if self.objective == "step" else 0.0)
+        if self.objective == "comm":
+            return self.comm_s + self.recompute_s
+        return self.exposed_s + self.recompute_s + self.optimizer_s
 
     @property
     def fits(self) -> bool:
@@ -79,7 +89,7 @@ class Evaluation:
 
     def sort_key(self) -> tuple:
         s_p, s_g, s_os = self.layout.sharding()
-        return (self.objective_s, s_os * s_g * s_p, s_p, s_g, s_os, self.layout, self.checkpointing)
+        return (self.objective_s, s_os * s_g * s_p, s_p, s_g, s_os, self.layout, self.ckpt_units)
 
 
 @dataclass(frozen=True)
@@ -88,21 +98,30 @@ class Plan:
 
     topology: Topology
     layout: Layout
-    activation_checkpointing: bool
+    activation_checkpointing_units: int = 0  # the first k layer units are checkpointed
     param_dtype: str = "bf16"
     grad_dtype: str = "fp32"
     model: str = ""
     profile_source: str = ""
     predicted_comm_s: float = 0.0
-    memory_gb: float = 0.0
+    memory_gb: float = 0.0  # what the GPU must hold: allocated peak, margin and reserve
+    predicted_peak_gb: float = 0.0  # the allocator's peak (torch.cuda.max_memory_allocated's quantity)
+    memory_profile: str = ""  # where the activation memory came from ("measured:...", "formula", a path)
+    num_layers: int = 0
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.activation_checkpointing_units > 0
 
     def to_json(self) -> dict:
         return {
             "nodes": self.topology.nodes, "gpus_per_node": self.topology.gpus_per_node,
             **self.layout.to_json(), "activation_checkpointing": self.activation_checkpointing,
+            "activation_checkpointing_units": self.activation_checkpointing_units, "num_layers": self.num_layers,
             "param_dtype": self.param_dtype, "grad_dtype": self.grad_dtype, "model": self.model,
             "profile_source": self.profile_source, "predicted_comm_s": self.predicted_comm_s,
-            "memory_gb": self.memory_gb,
+            "memory_gb": self.memory_gb, "predicted_peak_gb": self.predicted_peak_gb,
+            "memory_profile": self.memory_profile,
         }
 
     @classmethod
@@ -110,9 +129,12 @@ class Plan:
         topo = Topology(int(obj["nodes"]), int(obj["gpus_per_node"]))
         layout = Layout.from_json(obj)
         check_layout(topo, layout)
-        return cls(topo, layout, bool(obj["activation_checkpointing"]), obj["param_dtype"], obj["grad_dtype"],
-                   obj.get("model", ""), obj.get("profile_source", ""), float(obj.get("predicted_comm_s", 0)),
-                   float(obj.get("memory_gb", 0)))
+        layers = int(obj.get("num_layers", 0))
+        units = int(obj.get("activation_checkpointing_units", layers if obj["activation_checkpointing"] else 0))
+        return cls(topo, layout, units, obj["param_dtype"], obj["grad_dtype"], obj.get("model", ""),
+                   obj.get("profile_source", ""), float(obj.get("predicted_comm_s", 0)),
+                   float(obj.get("memory_gb", 0)), float(obj.get("predicted_peak_gb", 0)),
+                   obj.get("memory_profile", ""), layers)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
@@ -130,18 +152,29 @@ class Solution:
     inputs: dict = field(default_factory=dict)
 
 
-OBJECTIVES = ("comm", "step")
+OBJECTIVES = ("step", "comm")
 
 
-def evaluate(topo: Topology, layout: Layout, checkpointing: bool, model: ModelSpec, train: TrainingSpec,
-             mem: MemorySpec, table: ProfileTable, compute: ComputeSpec, objective: str = "comm") -> Evaluation:
-    colls = tuple(cost.timed(cost.schedule(topo, layout, cost.model_units(model), train), table))
-    recompute = 0.0
-    if checkpointing:  # one extra forward per micro-batch: a third of the training FLOPs
-        tokens = train.tokens_per_micro_batch * train.grad_accum
-        recompute = tokens * model.flops_per_token(train.seq_len) / 3 / compute.flops_per_s
-    return Evaluation(layout, checkpointing, memory(model, train, mem, layout, checkpointing), colls,
-                      recompute, mem.capacity_gb, optimizer_seconds(model, train, layout.os.size, compute), objective)
+def compute_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int) -> tuple:
+    """(forward, backward) compute of one micro-batch; backward is twice the forward plus the recompute of
+    the checkpointed units."""
+    tokens = train.tokens_per_micro_batch
+    fwd = tokens * model.flops_per_token(train.seq_len) / 3 / compute.flops_per_s
+    recompute = ckpt_units * tokens * model.layer_forward_flops_per_token(train.seq_len) / compute.flops_per_s
+    return fwd, 2 * fwd + recompute
+
+
+def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, train: TrainingSpec,
+             mem: MemorySpec, table: ProfileTable, compute: ComputeSpec, objective: str = "step",
+             activations: Optional[ActivationProfile] = None, colls: Optional[tuple] = None) -> Evaluation:
+    if colls is None:
+        colls = tuple(cost.timed(cost.schedule(topo, layout, cost.model_units(model), train), table))
+    fwd, bwd = compute_seconds(model, train, compute, ckpt_units)
+    recompute = train.grad_accum * (bwd - 2 * fwd)
+    exposed = cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum)
+    return Evaluation(layout, ckpt_units, memory(model, train, mem, topo, layout, ckpt_units, activations), colls,
+                      recompute, mem.capacity_gb, optimizer_seconds(model, train, layout.os.size, compute), objective,
+                      exposed, model.num_layers)
 
 
 def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
@@ -152,30 +185,44 @@ def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
                         f"needed for {topo.nodes} nodes x {topo.gpus_per_node} GPUs; re-run lins-ds profile")
 
 
+def _describe_ckpt(e: Evaluation) -> str:
+    return f" with {e.ckpt_units} of {e.num_layers} layer units checkpointed" if e.checkpointing else ""
+
+
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
-          compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None, objective: str = "comm") -> Solution:
+          compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None, objective: str = "step",
+          activations: Optional[ActivationProfile] = None) -> Solution:
     """The fastest fitting plan; raises NoFeasiblePlan naming the smallest plan and its deficit."""
     if objective not in OBJECTIVES:
         raise PlanError(f"objective: {objective!r} is not one of {OBJECTIVES}")
     t0 = time.perf_counter()
     layouts = candidates(topo) if layouts is None else layouts
     check_profile_covers(topo, layouts, table)
-    ckpt_options = [train.activation_checkpointing] if train.activation_checkpointing is not None else [False, True]
-    evals = [evaluate(topo, lay, ck, model, train, mem, table, compute, objective)
-             for lay in layouts for ck in ckpt_options]
+    choices = train.checkpoint_choices(model.num_layers)
+    evals, smallest, considered = [], None, 0
+    for lay in layouts:
+        colls = tuple(cost.timed(cost.schedule(topo, lay, cost.model_units(model), train), table))
+        for k in choices:  # ascending: the first that fits is this layout's best
+            e = evaluate(topo, lay, k, model, train, mem, table, compute, objective, activations, colls)
+            considered += 1
+            if k == choices[0] or e.fits:
+                evals.append(e)
+            if smallest is None or (e.memory.total_gb, e.sort_key()) < (smallest.memory.total_gb, smallest.sort_key()):
+                smallest = e
+            if e.fits:
+                break
     fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
     if not fitting:
-        smallest = min(evals, key=lambda e: (e.memory.total_gb, e.sort_key()))
         lack = smallest.memory.total_gb - mem.capacity_gb
         raise NoFeasiblePlan(
-            f"no plan fits in {mem.capacity_gb:g} GiB per GPU: the smallest, {smallest.layout}"
-            f"{' with activation checkpointing' if smallest.checkpointing else ''}, needs "
-            f"{_gib(smallest.memory.total_gb)} GiB ({_gib(lack)} GiB more than available)",
-            smallest, mem.capacity_gb)
+            f"no plan fits in {mem.capacity_gb:g} GiB per GPU (lins.gpu_memory_gb / --gpu-memory-gb): the "
+            f"smallest, {smallest.layout}{_describe_ckpt(smallest)}, needs {_gib(smallest.memory.total_gb)} GiB "
+            f"({_gib(lack)} GiB more than available)", smallest, mem.capacity_gb)
     best = fitting[0]
     faster = [e for e in evals if not e.fits and e.objective_s < best.objective_s]
-    plan = Plan(topo, best.layout, best.checkpointing, train.param_dtype,
-                train.grad_accum_dtype or train.param_dtype, model.name, table.source, best.comm_s, best.memory.total_gb)
+    plan = Plan(topo, best.layout, best.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
+                model.name, table.source, best.comm_s, best.memory.total_gb, best.memory.allocated_gb,
+                best.memory.activation_source, model.num_layers)
     return Solution(plan, best, fitting[1] if len(fitting) > 1 else None,
                     min(faster, key=Evaluation.sort_key) if faster else None,
-                    len(evals), len(fitting), time.perf_counter() - t0)
+                    considered, len(fitting), time.perf_counter() - t0)

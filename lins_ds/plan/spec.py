@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .topology import PlanError
 
@@ -27,7 +27,10 @@ class TrainingSpec:
     grad_accum_dtype: Optional[str] = None  # None: the parameter dtype (DeepSpeed's default, get_data_types)
     grad_reduce_dtype: Optional[str] = None  # None: the parameter dtype (as FSDP; the paper's 2-byte grads)
     optimizer: str = "adamw"
-    activation_checkpointing: Optional[bool] = None  # None: the planner chooses
+    # None: the planner chooses how many layer units to checkpoint; True / False: all / none; an int: that many
+    activation_checkpointing: Optional[Union[bool, int]] = None
+    # the update runs one unit at a time (torch's optimizers, per-parameter state) or all at once (others)
+    optimizer_per_unit: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("--seq-len", self.seq_len)
@@ -37,6 +40,9 @@ class TrainingSpec:
                            ("grad_reduce_dtype", self.grad_reduce_dtype)):
             if value is not None and value not in DTYPE_BYTES:
                 raise PlanError(f"{key}: {value!r} is not one of {sorted(DTYPE_BYTES)}")
+        ck = self.activation_checkpointing
+        if ck is not None and not isinstance(ck, bool) and (not isinstance(ck, int) or ck < 0):
+            raise PlanError(f"activation_checkpointing: {ck!r} is not true, false, null or a number of units >= 0")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise PlanError(f"optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZER_STATE_BYTES)}")
 
@@ -59,6 +65,17 @@ class TrainingSpec:
         """Bytes per element of the OS shard: fp32 master (unless params are fp32) + Adam moments."""
         master = 4 if self.param_dtype != "fp32" else 0
         return master + OPTIMIZER_STATE_BYTES[self.optimizer]
+
+    def checkpoint_choices(self, num_layers: int) -> list:
+        """How many of the ``num_layers`` layer units may be checkpointed, ascending."""
+        ck = self.activation_checkpointing
+        if ck is None:
+            return list(range(num_layers + 1))
+        if isinstance(ck, bool):
+            return [num_layers if ck else 0]
+        if ck > num_layers:
+            raise PlanError(f"activation_checkpointing: {ck} units, but the model has {num_layers} layer units")
+        return [ck]
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -56,6 +56,18 @@ def _one_of(choices) -> Callable:
     return lambda key, value: value if value in choices else _bad(key, value, f"one of {', '.join(map(str, choices))}")
 
 
+def _checkpointing(key, value):
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
+        return value
+    return _bad(key, value, "true, false, null or a number of layer units >= 0")
+
+
+def _memory_profile(key, value):
+    if not isinstance(value, str) or not (value in ("measure", "formula") or value.endswith(".json")):
+        _bad(key, value, "\"measure\", \"formula\" or a memory profile .json path")
+    return value
+
+
 def _profile(key, value):
     if not isinstance(value, str) or not (value in ("measure", "synthetic") or value.endswith(".json")):
         _bad(key, value, "\"measure\", \"synthetic\" or a profile .json path")
@@ -94,7 +106,8 @@ class LinsConfig:
     enabled: bool = _rule(True, _boolean, "false hands the config to DeepSpeed untouched")
     gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int), "GPUs per (emulated) node")
     plan: object = _rule("solve", _plan, "\"solve\", or {\"p\": (intra, inter), ...} with ints or \"all\"")
-    activation_checkpointing: Optional[bool] = _rule(None, _optional(_boolean), "null: the solver decides")
+    activation_checkpointing: object = _rule(None, _optional(_checkpointing),
+                                             "null: the solver picks how many layer units; true/false; or k")
     gpu_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib), "the solver's per-GPU budget")
     reserved_gb: Optional[float] = _rule(None, _optional(_nonnegative_gib), "outside the allocator; null: 2 on GPUs")
     seq_len: Optional[int] = _rule(None, _optional(_positive_int), "sequence length the solver sizes for")
@@ -102,10 +115,12 @@ class LinsConfig:
     cluster: str = _rule("h200-emulated", _one_of(tuple(sorted(CLUSTERS))), "built-in cluster for \"synthetic\"")
     profile: str = _rule("measure", _profile, "the solver's timing table")
     profile_cache: Optional[str] = _rule(None, _optional(_string("a directory path or null")), "")
+    memory_profile: Optional[str] = _rule(None, _optional(_memory_profile),
+                                          "activation memory: measure (default on GPUs), formula (on CPUs) or a path")
     grad_reduce_dtype: Optional[str] = _rule(None, _optional(_one_of(DTYPES)), "gradient communication dtype")
     unit_modules: Optional[tuple] = _rule(None, _optional(_class_names), "classes that become units")
     overlap_param_sync: bool = _rule(True, _boolean, "the paper switches this off for its comparisons")
-    objective: str = _rule("comm", _one_of(OBJECTIVES), "the solver's: comm (paper) or step")
+    objective: str = _rule("step", _one_of(OBJECTIVES), "the solver's: step (what a step waits for) or comm (paper)")
 
     @property
     def solve(self) -> bool:

@@ -25,7 +25,7 @@ from collections import deque
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..plan.memory import IN_FLIGHT_REDUCE_SCATTERS
+from ..plan.memory import IN_FLIGHT_REDUCE_SCATTERS, IN_FLIGHT_REPLICA_COPIES
 from .unit import GradState, Unit
 
 
@@ -43,6 +43,7 @@ class Executor:
         self.boundary = False  # this backward ends an accumulation window
         self._handles = []
         self._reducing: deque = deque()  # (unit, staging) with a ReduceScatter in flight, oldest first
+        self._copies: deque = deque()  # units whose replica AllReduce runs on a reduce-dtype copy, oldest first
         self._free_staging: list = []
         self._register()
 
@@ -131,7 +132,19 @@ class Executor:
 
     def _after_reduce(self, unit: Unit) -> None:
         if self.boundary:  # the G chunk is final: its replica AllReduce overlaps the rest of backward
-            unit.start_replica_reduce()
+            self.start_replica_reduce(unit)
+
+    def start_replica_reduce(self, unit: Unit) -> None:
+        """Launch the unit's replica AllReduce; copies in the reduce dtype are bounded in number."""
+        if unit.start_replica_reduce():
+            self._copies.append(unit)
+            while len(self._copies) > IN_FLIGHT_REPLICA_COPIES:
+                self._copies.popleft().finish_replica_reduce()
+
+    def finish_replica_reduces(self, units: list) -> None:
+        for unit in units:
+            unit.finish_replica_reduce()
+        self._copies.clear()
 
     def _staging(self) -> torch.Tensor:
         if self._free_staging:

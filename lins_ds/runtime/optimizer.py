@@ -29,6 +29,12 @@ def check_elementwise(optimizer) -> None:
             f"tensor's optimizer state, which is exact only for element-wise updates ({', '.join(sorted(ELEMENTWISE))})")
 
 
+def steps_per_parameter(optimizer) -> bool:
+    """Whether ``optimizer`` keeps its step count per parameter (torch.optim's do), so that it may be
+    stepped over a subset of its parameters at a time."""
+    return type(optimizer).__module__.startswith("torch.optim")
+
+
 class MasterSlice:
     """One (unit, param group) range [lo, hi) of this rank's OS chunk and its master tensor."""
 
@@ -70,6 +76,13 @@ class LinsOptimizer(ZeROOptimizer):
                     masters.append(self.slices[-1].param)
             group["params"] = masters
         basic.state.clear()
+        # torch's optimizers keep their state, the step count included, per parameter: stepping them one unit
+        # at a time is the same update, with one unit's fp32 gradients and temporaries alive at once instead
+        # of the whole OS chunk's (docs/design.md §8). Others (DeepSpeed's FusedAdam counts steps per group)
+        # take one step over everything.
+        units = list(dict.fromkeys(s.unit for s in self.slices))
+        self.pieces = ([[s for s in self.slices if s.unit is u] for u in units] if steps_per_parameter(basic)
+                       else [self.slices])
 
     # DeepSpeed and schedulers reach through to the basic optimizer's groups and state.
     @property
@@ -98,8 +111,8 @@ class LinsOptimizer(ZeROOptimizer):
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""
         rt = self.runtime
         sq = torch.zeros((), dtype=torch.float32, device=rt.device)
-        for unit in rt.units:
-            sq += unit.os_grad().float().pow(2).sum()
+        for unit in rt.units:  # accumulated in fp32 without an fp32 copy of the chunk
+            sq += torch.linalg.vector_norm(unit.os_grad(), 2, dtype=torch.float32).square()
         comm.all_reduce(None, "world", sq)  # every OS chunk is held by world/s_os replicas
         return (sq / rt.os_replicas).sqrt() * inv_scale
 
@@ -119,16 +132,22 @@ class LinsOptimizer(ZeROOptimizer):
         coef = torch.full((), inv_scale, dtype=torch.float32, device=rt.device)
         if self.clip > 0:
             coef = coef * (self.clip / (norm + 1e-6)).clamp(max=1.0)
-        for s in self.slices:
-            g = s.grad_view()
-            s.param.grad = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)
-        self.optimizer.step()
-        for s in self.slices:
-            s.write_back()
-            s.param.grad = None
+        for piece in self.pieces:
+            self._update(piece, coef)
         rt.sync_parameters()
         rt.zero_gradients()
         self._global_grad_norm = norm
+
+    def _update(self, piece: list, coef: torch.Tensor) -> None:
+        """The update of these master slices: fp32 gradients for them alone, then the basic optimizer, which
+        skips parameters without a gradient."""
+        for s in piece:
+            g = s.grad_view()
+            s.param.grad = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)
+        self.optimizer.step()
+        for s in piece:
+            s.write_back()
+            s.param.grad = None
 
     def state_dict(self):
         raise RuntimeError("lins: optimizer state is sharded across ranks; use engine.save_checkpoint(), "

@@ -7,17 +7,27 @@ table for this launch, or a quick measurement (every rank takes part, every rank
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Optional
+
 import psutil
 import torch
 from deepspeed.utils import logger
 
 from .. import comm, dtypes
-from ..plan import (MemorySpec, Plan, ProfileTable, Topology, TrainingSpec, candidates, get_cluster, load_model,
-                    solve)
+from ..plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
+                    load_model, solve)
+from ..plan.solver import evaluate
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
+from ..plan.memory import ActivationProfile
 from ..plan.model import from_hf_config
+from . import checkpointing
+from .assign import find_layers
 from .config import LinsConfig, LinsConfigError
+from .optimizer import steps_per_parameter
 
 
 def _model_spec(module: torch.nn.Module, cfg: LinsConfig):
@@ -61,35 +71,129 @@ def _timing_table(cfg: LinsConfig, topo: Topology, model, train: TrainingSpec, d
     return ProfileTable.load(cfg.profile)
 
 
-def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
-    """(plan, summary) of the fastest plan that fits, for this engine's model, batch and dtypes."""
+def layer_units(module: torch.nn.Module, cfg: LinsConfig) -> list:
+    """The layer units' modules, in order (what activation checkpointing counts)."""
+    return [[m] for _, m in find_layers(module, cfg.unit_modules)]
+
+
+def checkpoint_units(module: torch.nn.Module, cfg: LinsConfig):
+    """The solver's checkpointing input: lins.activation_checkpointing, or what the model already does
+    (gradient_checkpointing_enable before deepspeed.initialize fixes all units), or None: the solver picks."""
+    if cfg.activation_checkpointing is not None:
+        return cfg.activation_checkpointing
+    layers = layer_units(module, cfg)
+    already = checkpointing.checkpointed_units(layers)
+    return already if already else None
+
+
+def activation_profile(module: torch.nn.Module, cfg: LinsConfig, train: TrainingSpec, device) -> tuple:
+    """(ActivationProfile or None for the formula, a note on its source) per lins.memory_profile."""
+    source = cfg.memory_profile or ("measure" if device.type == "cuda" else "formula")
+    if source == "formula":
+        return None, "formula"
+    if source != "measure":
+        try:
+            with open(source, encoding="utf-8") as f:
+                obj = json.load(f)
+            return ActivationProfile.from_json(obj.get("profile", obj)), source
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LinsConfigError(f"lins.memory_profile: {source} is not a memory profile ({e})") from None
+    from ..profiler.cache import default_dir
+    from . import memory_probe
+
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    layers = [mods[0] for mods in layer_units(module, cfg)]
+    if not vocab or not layers:
+        return None, "formula (the memory probe needs a causal LM with a vocab_size and layer units)"
+    prof = memory_probe.obtain(module, layers, train.micro_batch_size, train.seq_len, vocab, device,
+                               cfg.profile_cache or default_dir(),
+                               log=lambda msg: print(msg, flush=True) if comm.rank() == 0 else None)
+    return prof, prof.source
+
+
+@dataclass(frozen=True)
+class SolveContext:
+    """Everything the solver is given at start-up (the memory guard re-solves with it)."""
+
+    model: object
+    topo: Topology
+    train: TrainingSpec
+    mem: MemorySpec
+    table: ProfileTable
+    compute: object
+    layouts: list
+    objective: str
+    activations: Optional[ActivationProfile]
+    activations_note: str = "formula"
+
+    def solve(self, capacity_gb: Optional[float] = None):
+        mem = self.mem if capacity_gb is None else MemorySpec(capacity_gb, self.mem.reserved_gb, self.mem.fragmentation)
+        return solve(self.model, self.topo, self.train, mem, self.table, self.compute, layouts=self.layouts,
+                     objective=self.objective, activations=self.activations)
+
+
+def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
+                  ckpt=None, table: Optional[ProfileTable] = None) -> SolveContext:
+    """The solver's inputs for this engine's model, batch, dtypes, optimizer and device."""
     module = engine.module
     model = _model_spec(module, cfg)
-    ckpt = cfg.activation_checkpointing
-    if ckpt is None and not hasattr(module, "gradient_checkpointing_enable"):
-        ckpt = False  # we can only switch checkpointing on for models that offer it
     train = TrainingSpec(_seq_len(module, cfg), engine.train_micro_batch_size_per_gpu(),
                          engine.gradient_accumulation_steps(), param_dtype, dtypes.name_of(accum_dtype),
-                         cfg.grad_reduce_dtype, activation_checkpointing=ckpt)
-    device = next(module.parameters()).device
-    table = _timing_table(cfg, topo, model, train, device)
+                         cfg.grad_reduce_dtype, activation_checkpointing=ckpt,
+                         optimizer_per_unit=steps_per_parameter(engine.basic_optimizer))
+    device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+    table = table or _timing_table(cfg, topo, model, train, device)
+    acts, acts_note = activation_profile(module, cfg, train, device)
     reserved = cfg.reserved_gb if cfg.reserved_gb is not None else (2.0 if device.type == "cuda" else 0.0)
     layouts = candidates(topo)
     if not comm.SUPPORTS_UNSORTED_GROUPS:  # older torch: only layouts whose groups are in rank order
         layouts = [lay for lay in layouts if not needs_unsorted_groups(topo, lay)]
-    sol = solve(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
-                get_cluster(cfg.cluster).compute(), layouts=layouts, objective=cfg.objective)
-    return sol.plan, report.to_table(sol)
+    return SolveContext(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
+                        get_cluster(cfg.cluster).compute(), layouts, cfg.objective, acts, acts_note)
+
+
+def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+    """(plan, summary, context) of the fastest plan that fits."""
+    context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, checkpoint_units(engine.module, cfg))
+    try:
+        sol = context.solve()
+    except PlanError as e:
+        raise LinsConfigError(str(e)) from None
+    return sol.plan, report.to_table(sol) + f"\n  memory profile: {context.activations_note}", context
+
+
+def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+    """(plan, summary, context or None) of the config's fixed layout, with the memory the planner predicts
+    for it where the model's shape is known (lins.model or a Hugging Face config)."""
+    layout = cfg.layout(topo)
+    n = len(layer_units(engine.module, cfg))
+    ck = cfg.activation_checkpointing
+    k = 0 if ck is None else (n if ck is True else 0 if ck is False else ck)
+    if k > n:
+        raise LinsConfigError(f"lins.activation_checkpointing: {k} layer units, but the model has {n}")
+    plan = Plan(topo, layout, k, param_dtype, dtypes.name_of(accum_dtype), model=type(engine.module).__name__,
+                profile_source="fixed in config", num_layers=n)
+    summary = (f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {layout}"
+               + (f", {k} of {n} layer units checkpointed" if k else ""))
+    try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
+        table = get_cluster(cfg.cluster).table(cost.required_meshes(topo, [layout]))
+        context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table)
+    except LinsConfigError:
+        return plan, summary + " (memory not predicted: the model's shape is unknown; set lins.model)", None
+    e = evaluate(topo, layout, k, context.model, context.train, context.mem, table, context.compute,
+                 cfg.objective, context.activations)
+    plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
+                               memory_profile=e.memory.activation_source)
+    summary += (f"; predicted peak {e.memory.allocated_gb:.2f} GiB allocated, {e.memory.total_gb:.2f} GiB with "
+                f"margin and reserve (activations: {context.activations_note})")
+    return plan, summary, context
 
 
 def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
-    """(plan, summary): solved, or the fixed layout of the config."""
+    """(plan, summary, solve context or None): solved, or the fixed layout of the config."""
     if cfg.solve:
         return solve_plan(engine, cfg, topo, param_dtype, accum_dtype)
-    layout = cfg.layout(topo)
-    plan = Plan(topo, layout, bool(cfg.activation_checkpointing), param_dtype, dtypes.name_of(accum_dtype),
-                model=type(engine.module).__name__, profile_source="fixed in config")
-    return plan, f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {layout}"
+    return fixed_plan(engine, cfg, topo, param_dtype, accum_dtype)
 
 
 def agree_on_plan(plan: Plan) -> None:

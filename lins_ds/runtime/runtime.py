@@ -36,6 +36,10 @@ class LinsRuntime:
     def destroyed(self) -> bool:
         return self.groups.destroyed
 
+    def layer_modules(self) -> list:
+        """Each layer unit's modules, in order (what activation checkpointing applies to)."""
+        return [u.modules for u in self._executor.layers]
+
     def unit_sizes(self) -> list:
         """(padded numel, is_root) per unit, as ``lins_ds.plan.cost.schedule`` takes them."""
         return [(u.spec.padded, u is self._executor.root) for u in self.units]
@@ -55,9 +59,8 @@ class LinsRuntime:
         and waited for. Idempotent: the engine's boundary and the optimizer's step may both call it."""
         self._executor.drain()
         for unit in self.units:
-            unit.start_replica_reduce()
-        for unit in self.units:
-            unit.finish_replica_reduce()
+            self._executor.start_replica_reduce(unit)
+        self._executor.finish_replica_reduces(self.units)
 
     def zero_gradients(self) -> None:
         for unit in self.units:
@@ -92,6 +95,7 @@ class LinsRuntime:
         self._executor.drain()
         for unit in self.units:
             unit.wait_all()
+        self._executor.finish_replica_reduces([])
 
     def destroy(self) -> None:
         """Idempotent; issues no collective (it runs from ``atexit`` and ``__del__`` too)."""

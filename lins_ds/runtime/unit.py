@@ -211,16 +211,18 @@ class Unit:
         self._reduce = None
         self.grad_state = GradState.REDUCED
 
-    def start_replica_reduce(self) -> None:
-        """The G chunk is final for this accumulation window: AllReduce it over its replicas (once)."""
+    def start_replica_reduce(self) -> bool:
+        """The G chunk is final for this accumulation window: AllReduce it over its replicas (once). True when
+        the AllReduce runs on a reduce-dtype copy in flight (memory ``finish_replica_reduce`` frees)."""
         if self.grad_state is GradState.REPLICA_REDUCED:
-            return
+            return False
         if self.groups.size("g_replica") > 1:
             tmp = None if self.g_acc.dtype == self.reduce_dtype else self.g_acc.to(self.reduce_dtype)
             self._replica_work = comm.all_reduce(self.groups, "g_replica", self.g_acc if tmp is None else tmp,
                                                  async_op=True)
             self._replica_tmp = tmp
         self.grad_state = GradState.REPLICA_REDUCED
+        return self._replica_tmp is not None
 
     def finish_replica_reduce(self) -> None:
         if self._replica_work is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from ..plan import PlanError, load_model
+
 
 def zero_stage(ds_config: dict) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
@@ -52,3 +54,17 @@ def emulate_nodes(ds_config: dict, gpus_per_node: int) -> dict:
     if zero:
         cfg["zero_optimization"] = zero
     return cfg
+
+
+def llama_config(name: str, seq_len: int):
+    """A transformers LlamaConfig with the shapes of the planner's built-in model ``name``."""
+    import transformers
+
+    spec = load_model(name)
+    if spec.arch != "llama":
+        raise PlanError(f"--model {name} is a {spec.arch} model; this script trains LLaMA shapes")
+    return transformers.LlamaConfig(
+        hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate, vocab_size=spec.vocab,
+        tie_word_embeddings=spec.tied_embeddings, max_position_embeddings=max(seq_len, 128),
+        attn_implementation="sdpa")

@@ -22,6 +22,7 @@ from ..plan import Layout
 BASELINES = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics")
 TOPOLOGIES = ("host", "emulated")  # the real host, or virtual nodes of --emulated-gpus-per-node GPUs
 CONFIG_OF = {"nocomm": "zero0", "lins-budget": "lins"}  # modes that reuse another mode's config
+LAUNCHER_EXCEPTIONS = ("ChildFailedError", "ProcessRaisedException")  # torchrun's report of a rank's failure
 EXCEPTION_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)\w*)\s*:(.*)$")
 
 
@@ -42,20 +43,22 @@ def node_size(args, topo: str, nproc: int) -> int:
 
 def failure(output: str) -> str:
     """The last exception a failed run printed (``Type: message``), else its last line."""
-    lines = [ln for ln in output.splitlines() if ln.strip()]
+    lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in output.splitlines() if ln.strip()]
     for ln in reversed(lines):
         m = EXCEPTION_LINE.match(ln)
-        if m:
+        if m and m.group(1) not in LAUNCHER_EXCEPTIONS:
             return f"{m.group(1)}:{m.group(2)}".strip()
     return lines[-1].strip() if lines else "no output"
 
 
-def run_mode(args, topo: str, mode: str, nproc: int, out_dir: str, steps: int, extra=()) -> dict:
-    out = os.path.join(out_dir, f"{topo}_{mode}.json")
+def run_mode(args, topo: str, mode: str, nproc: int, out_dir: str, steps: int, extra=(), label=None) -> dict:
+    """One training run of ``mode``'s config (``label`` names its result, default the mode)."""
+    label = label or mode
+    out = os.path.join(out_dir, f"{topo}_{label}.json")
     config = os.path.join(args.configs, CONFIG_OF.get(mode, mode) + ".json")
     # node-sized settings (lins.gpus_per_node, hpZ and MiCS group sizes) follow the topology
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(29400 + hash((topo, mode)) % 500), example_script(), "--deepspeed_config", config,
+           str(29400 + hash((topo, label)) % 500), example_script(), "--deepspeed_config", config,
            "--model", args.model, "--seq-len", str(args.seq_len), "--steps", str(steps), "--warmup-steps",
            str(args.warmup_steps), "--micro-batch-size", str(args.micro_batch_size), "--grad-accum",
            str(args.grad_accum), "--out", out, "--gpus-per-node", str(node_size(args, topo, nproc)), *extra]
@@ -66,12 +69,12 @@ def run_mode(args, topo: str, mode: str, nproc: int, out_dir: str, steps: int, e
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0 or not os.path.exists(out):
         error = failure(r.stdout + "\n" + r.stderr)
-        print(f"[bench] {topo}/{mode} FAILED: {error}\n{(r.stdout + r.stderr)[-1500:]}", flush=True)
-        return {"mode": mode, "topology": topo, "failed": True, "error": error}
+        print(f"[bench] {topo}/{label} FAILED: {error}\n{(r.stdout + r.stderr)[-1500:]}", flush=True)
+        return {"mode": label, "topology": topo, "failed": True, "error": error}
     with open(out) as f:
         res = json.load(f)
-    res.update(mode=mode, topology=topo, wall_s=time.time() - t0)
-    print(f"[bench] {topo:8s} {mode:12s} {res['tokens_per_gpu_s']:9.0f} tok/GPU/s  step {res['median_step_s']:.3f} s "
+    res.update(mode=label, topology=topo, wall_s=time.time() - t0)
+    print(f"[bench] {topo:8s} {label:12s} {res['tokens_per_gpu_s']:9.0f} tok/GPU/s  step {res['median_step_s']:.3f} s "
           f"({time.time() - t0:.0f} s)", flush=True)
     return res
 

@@ -40,20 +40,15 @@ def summary(table) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
-    if args.gpus_per_node:
-        set_virtual_node(args.gpus_per_node)
-    device = _init()
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    L = args.gpus_per_node or local_world_size()
-    topo = Topology(world // L, L)
+def _measure(args, topo: Topology, device) -> tuple:
+    """(table, seconds): every op on every candidate mesh, written to --out or the cache (rank 0)."""
     meshes = required_meshes(topo, candidates(topo))
     params = dict(QUICK if args.quick else FULL)
     if args.max_mb:
         params["max_bytes"] = int(args.max_mb * 2**20)
     total = len([m for m in meshes if m.size > 1]) * 4 * len(sizes(params["min_bytes"], params["max_bytes"], params["step"]))
     bar = None
-    if rank == 0:
+    if tdist.get_rank() == 0:
         from tqdm import tqdm
         bar = tqdm(total=total, desc="lins profile", unit="point")
     key = cache.launch_key(topo, device)
@@ -61,28 +56,66 @@ def run(args) -> int:
     table = measure(topo, meshes, device, meta={**key, "source": f"measured:{'quick' if args.quick else 'full'}"},
                     progress=(lambda _: bar.update(1)) if bar else None, **params)
     elapsed = time.perf_counter() - t0
-    if rank == 0:
+    if tdist.get_rank() == 0:
         bar.close()
         out = args.out or cache.cache_path(key)
         cache.save(out, table)
         print(summary(table))
         print(f"measured {total} points over {len(meshes)} meshes in {elapsed:.1f} s; wrote {out}")
-    if args.validate:
-        from ..profiler.validate import validate
+    return table, elapsed
 
-        model = load_model(args.model)
-        train = TrainingSpec(args.seq_len, args.micro_batch_size, args.grad_accum)
-        report = validate(table, topo, candidates(topo), model_units(model), train, device)
-        if rank == 0:
-            for r in report["rows"]:
-                print(f"{r['layout']:<28} {r['op']:<15} {r['group']:<10} {r['mesh']:>5} {r['bytes'] / 2**20:>9.1f} MiB "
-                      f"predicted {r['predicted_s'] * 1e3:8.3f} ms  measured {r['measured_s'] * 1e3:8.3f} ms  "
-                      f"error {100 * r['relative_error']:5.1f} %")
-            print(f"prediction vs measurement: median error {100 * report['median_relative_error']:.1f} %, "
-                  f"worst {100 * report['worst_relative_error']:.1f} % over {len(report['rows'])} collectives")
-            path = (args.out or cache.cache_path(key)).replace(".json", "") + ".validate.json"
-            with open(path, "w") as f:
-                json.dump({"elapsed_s": elapsed, **report}, f, indent=1)
+
+def _validate(args, table, topo: Topology, device, elapsed: float) -> None:
+    """Time every candidate plan's collectives on their real groups; prediction error per collective."""
+    from ..profiler.validate import validate
+
+    train = TrainingSpec(args.seq_len, args.micro_batch_size, args.grad_accum)
+    report = validate(table, topo, candidates(topo), model_units(load_model(args.model)), train, device)
+    if tdist.get_rank() != 0:
+        return
+    for r in report["rows"]:
+        print(f"{r['layout']:<28} {r['op']:<15} {r['group']:<10} {r['mesh']:>5} {r['bytes'] / 2**20:>9.1f} MiB "
+              f"predicted {r['predicted_s'] * 1e3:8.3f} ms  measured {r['measured_s'] * 1e3:8.3f} ms  "
+              f"error {100 * r['relative_error']:5.1f} %")
+    print(f"prediction vs measurement: median error {100 * report['median_relative_error']:.1f} %, "
+          f"worst {100 * report['worst_relative_error']:.1f} % over {len(report['rows'])} collectives")
+    path = (args.out or cache.cache_path(cache.launch_key(topo, device))).replace(".json", "") + ".validate.json"
+    with open(path, "w") as f:
+        json.dump({"elapsed_s": elapsed, **report}, f, indent=1)
+
+
+def _memory(args, device) -> None:
+    """The activation memory of --model at --seq-len and --micro-batch-size in --dtype, measured as the engine
+    does at start-up (one layer unit and the head) and cached beside the profiles, where the engine finds it."""
+    import transformers
+
+    from .. import dtypes
+    from ..runtime import memory_probe
+    from .baselines import llama_config
+
+    with torch.device("meta"):  # only the head and one layer unit get memory, for the probe
+        model = transformers.LlamaForCausalLM(llama_config(args.model, args.seq_len)).to(dtypes.torch_dtype(args.dtype))
+    directory = os.path.dirname(os.path.abspath(args.out)) if args.out else cache.default_dir()
+    prof = memory_probe.obtain(model, list(model.model.layers), args.micro_batch_size, args.seq_len,
+                               model.config.vocab_size, device, directory)
+    if tdist.get_rank() == 0:
+        print(f"activation memory of {args.model}, micro-batch {args.micro_batch_size} x {args.seq_len} tokens, "
+              f"{args.dtype} ({prof.source}): a layer keeps {prof.layer_saved / 2**20:.1f} MiB "
+              f"({prof.layer_saved_ckpt / 2**20:.1f} MiB checkpointed), its backward needs "
+              f"{prof.layer_transient / 2**20:.1f} MiB more; the head peaks at {prof.head_peak / 2**20:.1f} MiB")
+
+
+def run(args) -> int:
+    if args.gpus_per_node:
+        set_virtual_node(args.gpus_per_node)
+    device = _init()
+    L = args.gpus_per_node or local_world_size()
+    topo = Topology(tdist.get_world_size() // L, L)
+    table, elapsed = _measure(args, topo, device)
+    if args.validate:
+        _validate(args, table, topo, device, elapsed)
+    if args.memory:
+        _memory(args, device)
     tdist.barrier()
     tdist.destroy_process_group()
     return 0

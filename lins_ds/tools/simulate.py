@@ -40,7 +40,7 @@ from ..plan import cost
 from ..plan.memory import memory
 from ..plan.model import ModelSpec
 from ..plan.profile_table import ProfileTable
-from ..plan.solver import ComputeSpec, NoFeasiblePlan, solve
+from ..plan.solver import ComputeSpec, NoFeasiblePlan, compute_seconds, solve
 from ..plan.spec import MemorySpec, TrainingSpec
 from ..plan.topology import Factor, Layout, PlanError, Topology
 
@@ -110,28 +110,26 @@ def baseline_schedule(system: str, topo: Topology, model: ModelSpec, train: Trai
     return out
 
 
-def _phase_times(colls) -> dict:
-    t = {"forward": 0.0, "backward": 0.0, "boundary": 0.0, "param_sync": 0.0}
-    for c in colls:
-        t[c.phase] += c.total_s
-    return t
-
-
-def step_time(colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, checkpointing: bool,
+def step_time(colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,
               overlapped: bool) -> tuple:
-    """(step, compute, exposed, total comm) seconds for timed collectives."""
-    tokens = train.tokens_per_micro_batch
-    fwd = tokens * model.flops_per_token(train.seq_len) / 3 / compute.flops_per_s
-    bwd = 2 * fwd + (fwd if checkpointing else 0.0)
-    K = train.grad_accum
-    ph = _phase_times(colls)
-    if overlapped:
-        exposed = (max(0.0, ph["forward"] - K * fwd) + max(0.0, ph["backward"] - K * bwd)
-                   + max(0.0, ph["boundary"] - bwd) + ph["param_sync"])
-    else:
-        exposed = sum(ph.values())
-    compute_s = K * (fwd + bwd)
-    return compute_s + exposed, compute_s, exposed, sum(ph.values())
+    """(step, compute, exposed, total comm) seconds for timed collectives. Overlapped (Lins): the planner's
+    exposure model with the P-sync not overlapped, as in the paper; otherwise every collective is exposed."""
+    fwd, bwd = compute_seconds(model, train, compute, ckpt_units)
+    total = sum(c.total_s for c in colls)
+    exposed = (cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, overlap_param_sync=False)
+               if overlapped else total)
+    compute_s = train.grad_accum * (fwd + bwd)
+    return compute_s + exposed, compute_s, exposed, total
+
+
+def _baseline_memory(system: str, model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec) -> tuple:
+    """(checkpointed units, GiB) of a baseline: no checkpointing unless it does not fit without."""
+    layout = equivalent_layout(system, topo)
+    for k in (0, model.num_layers):
+        gb = memory(model, train, mem, topo, layout, k).total_gb
+        if gb <= mem.capacity_gb:
+            break
+    return k, gb
 
 
 def simulate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
@@ -139,22 +137,20 @@ def simulate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemoryS
     results = {}
     for system in systems:
         if system == "lins":
-            try:
-                sol = solve(model, topo, train, mem, table, compute)
+            try:  # the paper's objective: communication
+                sol = solve(model, topo, train, mem, table, compute, objective="comm")
             except NoFeasiblePlan:
                 continue
-            colls, ckpt, layout = list(sol.best.collectives), sol.best.checkpointing, sol.best.layout
+            colls, ckpt, layout = list(sol.best.collectives), sol.best.ckpt_units, sol.best.layout
             mem_gb = sol.best.memory.total_gb
         else:
             layout = equivalent_layout(system, topo)
-            no_ckpt = memory(model, train, mem, layout, False)
-            ckpt = no_ckpt.total_gb > mem.capacity_gb
-            mem_gb = (memory(model, train, mem, layout, True) if ckpt else no_ckpt).total_gb
+            ckpt, mem_gb = _baseline_memory(system, model, topo, train, mem)
             colls = cost.timed(baseline_schedule(system, topo, model, train), table)
         step, comp, exposed, comm_total = step_time(colls, model, train, compute, ckpt, system == "lins")
         tokens_gpu_s = train.tokens_per_micro_batch * train.grad_accum / step
         mfu = tokens_gpu_s * model.flops_per_token(train.seq_len) / (compute.peak_tflops * 1e12)
-        results[system] = SimResult(system, step, comp, exposed, comm_total, mfu, tokens_gpu_s, mem_gb, ckpt,
+        results[system] = SimResult(system, step, comp, exposed, comm_total, mfu, tokens_gpu_s, mem_gb, ckpt > 0,
                                     layout.to_json(), mem_gb <= mem.capacity_gb)
     return results
 

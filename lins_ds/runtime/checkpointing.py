@@ -1,0 +1,76 @@
+"""Selective activation checkpointing: the first k of the N layer units recompute their forward in backward
+(docs/design.md §8). The solver picks k; 0 and N are the all-or-nothing cases.
+
+Hugging Face layers (``GradientCheckpointingLayer``: a ``gradient_checkpointing`` flag and a
+``_gradient_checkpointing_func``) are switched with their own flag, which also turns their cache off
+under checkpointing; any other module gets its forward wrapped in ``torch.utils.checkpoint`` (non-reentrant).
+Either way the module's hooks stay outside the checkpointed function, so Lins' gather hooks run once per
+forward, and the unit is gathered again before its backward (and so before the recompute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+_WRAPPED = "_lins_checkpointed_forward"
+
+
+def _is_hf_layer(module: nn.Module) -> bool:
+    return hasattr(type(module), "gradient_checkpointing") and hasattr(module, "gradient_checkpointing")
+
+
+def checkpointed_units(layer_modules: list) -> int:
+    """How many leading layer units the model checkpoints already (HF's gradient_checkpointing_enable)."""
+    k = 0
+    for mods in layer_modules:
+        if not all((_is_hf_layer(m) and m.gradient_checkpointing) or hasattr(m, _WRAPPED) for m in mods):
+            break
+        k += 1
+    return k
+
+
+def _set(module: nn.Module, on: bool) -> None:
+    if _is_hf_layer(module):
+        module.gradient_checkpointing = on
+        if on:
+            module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        return
+    if on and not hasattr(module, _WRAPPED):
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def checkpointed(*args, **kwargs):
+            if module.training and torch.is_grad_enabled():
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return forward(*args, **kwargs)
+
+        setattr(module, _WRAPPED, forward)
+        module.forward = checkpointed
+    elif not on and hasattr(module, _WRAPPED):
+        module.forward = getattr(module, _WRAPPED)
+        delattr(module, _WRAPPED)
+
+
+@contextlib.contextmanager
+def disabled(module: nn.Module):
+    """``module`` runs without checkpointing inside the block (the memory probe measures both ways itself)."""
+    hf = _is_hf_layer(module) and module.gradient_checkpointing
+    wrapped = hasattr(module, _WRAPPED)
+    _set(module, False)
+    try:
+        yield
+    finally:
+        if hf or wrapped:
+            _set(module, True)
+
+
+def apply(layer_modules: list, k: int) -> None:
+    """Checkpoint the first ``k`` layer units (each a list of modules), not the others."""
+    for i, mods in enumerate(layer_modules):
+        for m in mods:
+            _set(m, i < k)

@@ -1,0 +1,78 @@
+"""The memory guard: after the first optimizer step every rank compares its measured peak with the plan's
+prediction; rank 0 logs both, and warns when the run exceeds its budget, naming the excess and a plan that
+would fit (docs/design.md §8). Measured where the device reports it (CUDA); elsewhere there is nothing to
+compare and the guard stays silent.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Optional
+
+import torch
+from deepspeed.utils import logger
+
+from .. import comm
+from ..plan import NoFeasiblePlan, Plan
+
+GIB = 2**30
+
+
+def measured(device: torch.device) -> Optional[tuple]:
+    """(max allocated, max reserved by the allocator) in GiB on this rank, or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB
+
+
+def plan_block(plan: Plan) -> str:
+    """The ``lins`` keys that fix ``plan`` in a DeepSpeed config."""
+    return json.dumps({"plan": {s: [f.intra, f.inter] for s, f in plan.layout.factors().items()},
+                       "activation_checkpointing": plan.activation_checkpointing_units})
+
+
+def verdict(plan: Plan, allocated_gb: float, reserved_by_allocator_gb: float, capacity_gb: Optional[float],
+            reserved_gb: float, solve=None) -> tuple:
+    """(over budget?, message). ``solve(capacity)`` re-solves with a smaller budget (None: a fixed plan)."""
+    line = (f"lins memory: measured peak {allocated_gb:.2f} GiB allocated ({reserved_by_allocator_gb:.2f} GiB held "
+            f"by the allocator) vs predicted {plan.predicted_peak_gb:.2f} GiB allocated "
+            f"({100 * (allocated_gb / plan.predicted_peak_gb - 1) if plan.predicted_peak_gb else 0:+.1f} %); "
+            f"activation memory: {plan.memory_profile or 'not modelled (fixed plan)'}")
+    if capacity_gb is None:
+        return False, line
+    used = reserved_by_allocator_gb + reserved_gb
+    if used <= capacity_gb:
+        return False, line + f"; {used:.2f} of {capacity_gb:g} GiB (lins.gpu_memory_gb) used"
+    excess = used - capacity_gb
+    msg = (line + f". Over budget: the run holds {used:.2f} GiB ({reserved_by_allocator_gb:.2f} in the allocator + "
+           f"{reserved_gb:g} reserved), {excess:.2f} GiB more than lins.gpu_memory_gb = {capacity_gb:g}.")
+    if solve is not None and plan.memory_gb > 0:
+        under = used - plan.memory_gb  # what the prediction missed, taken off the budget
+        try:
+            fits = solve(capacity_gb - under).plan
+            msg += (f" A plan that would fit with the measured excess taken into account: {fits.layout}, "
+                    f"{fits.activation_checkpointing_units} of {fits.num_layers} layer units checkpointed "
+                    f"(\"lins\": {plan_block(fits)}).")
+        except NoFeasiblePlan as e:
+            msg += f" No plan fits once the measured excess is taken into account: {e}"
+    else:
+        msg += " Shard more (a larger P, G or OS factor) or checkpoint more layer units."
+    return True, msg
+
+
+def check(plan: Plan, context, device: torch.device) -> None:
+    """Run on every rank after the first optimizer step; the worst rank's peak is reported."""
+    mine = measured(device)
+    if mine is None:
+        return
+    allocated = comm.max_over_world(mine[0], device)
+    held = comm.max_over_world(mine[1], device)
+    capacity = context.mem.capacity_gb if context is not None else None
+    reserved = context.mem.reserved_gb if context is not None else 0.0
+    over, msg = verdict(plan, allocated, held, capacity, reserved, context.solve if context is not None else None)
+    if comm.rank() == 0:
+        logger.info(msg)
+        print(msg, flush=True)
+        if over:
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)

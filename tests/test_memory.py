@@ -1,0 +1,137 @@
+"""Memory truth on CPU: the activation probe, selective checkpointing in the solver and the runtime, the guard."""
+
+import os
+import tempfile
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import lins_ds  # noqa: F401,E402
+from distributed import run  # noqa: E402
+from test_engine_parity import GAS, GPUS_PER_NODE, WORLD, param_groups, reference, tiny_llama  # noqa: E402
+
+from lins_ds.plan import (BUILTIN_MODELS, ComputeSpec, MemorySpec, Topology, TrainingSpec, candidates,  # noqa: E402
+                          get_cluster, solve)
+from lins_ds.plan import cost  # noqa: E402
+from lins_ds.plan.memory import ActivationProfile, formula_activations, memory  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+def probe_tiny(dtype=torch.float32, meta=False):
+    from lins_ds.runtime import memory_probe
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=512, max_position_embeddings=128)
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    ids = [id(p) for p in model.parameters()]
+    prof = memory_probe.probe(model, list(model.model.layers), 2, 64, 512, torch.device("cpu"))
+    return prof, model, ids
+
+
+def test_probe_measures_what_a_layer_and_the_head_keep():
+    prof, _, _ = probe_tiny()
+    assert prof.source == "measured:saved-tensors" and prof.tokens == 128
+    assert prof.layer_saved > 20 * prof.layer_saved_ckpt > 0  # checkpointed: little more than the input
+    assert prof.layer_saved_ckpt >= 128 * 64 * 4  # the layer input, fp32
+    assert prof.head_peak > 128 * 512 * 4  # at least the fp32 logits
+    half, _, _ = probe_tiny(torch.bfloat16)
+    assert 0.4 < half.layer_saved / prof.layer_saved < 0.75  # bf16 halves most of it (norms upcast to fp32)
+
+
+def test_probe_runs_a_meta_built_model_without_materialising_it():
+    real, _, _ = probe_tiny()
+    meta, model, ids = probe_tiny(meta=True)
+    assert meta == real
+    assert all(p.is_meta for p in model.parameters()) and [id(p) for p in model.parameters()] == ids
+
+
+def test_activation_peak_falls_with_checkpointed_units():
+    prof = formula_activations(BUILTIN_MODELS["llama-7b"], TrainingSpec(2048, 1))
+    peaks = [prof.peak(32, k) for k in range(33)]
+    assert all(a >= b for a, b in zip(peaks, peaks[1:])) and peaks[0] > 3 * peaks[-1]
+
+
+def _setting(ckpt=None):
+    topo = Topology(1, 2)
+    model, train = BUILTIN_MODELS["llama-1b"], TrainingSpec(2048, 4, 2, activation_checkpointing=ckpt)
+    cluster = get_cluster("h200-emulated")
+    return topo, model, train, cluster.table(cost.required_meshes(topo, candidates(topo))), cluster.compute()
+
+
+def test_solver_checkpoints_only_as_many_units_as_the_budget_needs():
+    topo, model, train, table, compute = _setting()
+    layout = solve(model, topo, train, MemorySpec(1000), table, compute).plan.layout
+    none, full = (memory(model, train, MemorySpec(1), topo, layout, k).total_gb for k in (0, model.num_layers))
+    budget = (none + full) / 2  # full checkpointing is more than this budget needs, none does not fit
+    sol = solve(model, topo, train, MemorySpec(budget), table, compute, layouts=[layout])
+    k = sol.plan.activation_checkpointing_units
+    assert 0 < k < model.num_layers and sol.plan.to_json()["activation_checkpointing_units"] == k
+    assert memory(model, train, MemorySpec(budget), topo, layout, k - 1).total_gb > budget  # k is the fewest
+    assert sol.best.recompute_s < solve(model, topo, _setting(True)[2], MemorySpec(budget), table, compute,
+                                        layouts=[layout]).best.recompute_s
+
+
+def test_a_measured_profile_changes_the_plan_the_formula_would_pick():
+    topo, model, train, table, compute = _setting()
+    formula = formula_activations(model, train)
+    heavier = ActivationProfile("measured:test", formula.tokens, 1.5 * formula.layer_saved, formula.layer_saved_ckpt,
+                                formula.layer_transient, 2 * formula.head_peak)
+    a = solve(model, topo, train, MemorySpec(40), table, compute)
+    b = solve(model, topo, train, MemorySpec(40), table, compute, activations=heavier)
+    assert b.plan.memory_profile == "measured:test" and a.plan.memory_profile == "formula"
+    assert b.best.memory.terms["activations"] > a.best.memory.terms["activations"]
+
+
+def test_guard_names_the_excess_and_a_plan_that_fits():
+    from lins_ds.runtime.memory_guard import verdict
+    from lins_ds.runtime.planning import SolveContext
+
+    topo, model, train, table, compute = _setting()
+    ctx = SolveContext(model, topo, train, MemorySpec(40), table, compute, candidates(topo), "step", None)
+    plan = ctx.solve().plan
+    ok, msg = verdict(plan, plan.predicted_peak_gb, plan.predicted_peak_gb + 0.5, 40, 2.0, ctx.solve)
+    assert not ok and "measured peak" in msg and "predicted" in msg and "of 40 GiB (lins.gpu_memory_gb)" in msg
+    over, msg = verdict(plan, plan.predicted_peak_gb + 9, 39.0, 40, 2.0, ctx.solve)
+    assert over and "1.00 GiB more than lins.gpu_memory_gb = 40" in msg
+    assert "A plan that would fit" in msg and '"plan": {"p": [' in msg
+    fits = ctx.solve(40 - (39.0 + 2.0 - plan.memory_gb)).plan
+    assert str(fits.layout) in msg
+
+
+# --- the runtime: k of N units checkpointed, exactly the same training ----------------------------------
+def checkpointed_runs(plans):
+    import deepspeed
+
+    ref = reference(tiny_llama, 96)
+    out = []
+    for lins in plans:
+        model = tiny_llama()
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+            config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
+                    "zero_optimization": {"stage": 0}, "lins": {"gpus_per_node": GPUS_PER_NODE, **lins}})
+        from test_engine_features import max_err, state, train
+
+        states = train(engine, after_step=state)
+        flags = [m.gradient_checkpointing for m in model.model.layers]
+        out.append((engine.lins.plan.to_json(), flags, max(max_err(s, r) for s, r in zip(states, ref))))
+        engine.destroy()
+    return out
+
+
+def test_runtime_checkpoints_the_first_k_units_and_trains_exactly():
+    plans = [{"plan": {"p": [2, 1], "g": [2, 2], "os": [2, 2]}, "activation_checkpointing": 1},
+             {"plan": "solve", "profile": "synthetic", "memory_profile": "measure", "seq_len": 8,
+              "profile_cache": os.path.join(tempfile.gettempdir(), f"lins-test-{os.getpid()}"),
+              "gpu_memory_gb": 0.0004, "reserved_gb": 0}]
+    (fixed, fixed_flags, fixed_err), (solved, _, solved_err) = run(checkpointed_runs, WORLD, plans,
+                                                                   gpus_per_node=GPUS_PER_NODE)[0]
+    assert fixed["activation_checkpointing_units"] == 1 and fixed["num_layers"] == 2
+    assert fixed_flags == [True, False] and fixed_err <= 1e-5
+    assert solved["memory_profile"] == "measured:saved-tensors" and solved_err <= 1e-5
+    assert "activation_checkpointing_units" in solved
