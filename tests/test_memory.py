@@ -51,9 +51,13 @@ def test_probe_runs_a_meta_built_model_without_materialising_it():
 
 
 def test_activation_peak_falls_with_checkpointed_units():
-    prof = formula_activations(BUILTIN_MODELS["llama-7b"], TrainingSpec(2048, 1))
-    peaks = [prof.peak(32, k) for k in range(33)]
-    assert all(a >= b for a, b in zip(peaks, peaks[1:])) and peaks[0] > 3 * peaks[-1]
+    model, train, topo = BUILTIN_MODELS["llama-7b"], TrainingSpec(2048, 1), Topology(1, 8)
+    layout = candidates(topo)[-1]
+    mems = [memory(model, train, MemorySpec(80), topo, layout, k) for k in range(33)]
+    peaks = [m.allocated_gb for m in mems]
+    # to the last unit: checkpointing the top unit too saves nothing, it is recomputed at once
+    assert all(a >= b for a, b in zip(peaks[:-1], peaks[1:-1]))
+    assert mems[0].terms["activations"] > 3 * mems[-1].terms["activations"]
 
 
 def _setting(ckpt=None):
@@ -94,12 +98,12 @@ def test_guard_names_the_excess_and_a_plan_that_fits():
     topo, model, train, table, compute = _setting()
     ctx = SolveContext(model, topo, train, MemorySpec(40), table, compute, candidates(topo), "step", None)
     plan = ctx.solve().plan
-    ok, msg = verdict(plan, plan.predicted_peak_gb, plan.predicted_peak_gb + 0.5, 40, 2.0, ctx.solve)
+    ok, msg = verdict(plan, plan.predicted_peak_gb, plan.predicted_peak_gb + 9, 40, 2.0, ctx.solve)
     assert not ok and "measured peak" in msg and "predicted" in msg and "of 40 GiB (lins.gpu_memory_gb)" in msg
-    over, msg = verdict(plan, plan.predicted_peak_gb + 9, 39.0, 40, 2.0, ctx.solve)
-    assert over and "1.00 GiB more than lins.gpu_memory_gb = 40" in msg
+    over, msg = verdict(plan, 38.0, 60.0, 40, 2.0, ctx.solve)  # 38 x 1.05 + 2 = 41.9
+    assert over and "1.90 GiB more than lins.gpu_memory_gb = 40" in msg
     assert "A plan that would fit" in msg and '"plan": {"p": [' in msg
-    fits = ctx.solve(40 - (39.0 + 2.0 - plan.memory_gb)).plan
+    fits = ctx.solve(40 - (38.0 * 1.05 + 2.0 - plan.memory_gb)).plan
     assert str(fits.layout) in msg
 
 

@@ -6,9 +6,11 @@ summary can show it:
     persistent   params        the P storage: every unit whole (s_p = 1) or this rank's P chunk
                  grads         the G accumulator, g_bytes x Phi / s_g
                  optimizer     fp32 master (unless params are fp32) + Adam moments, k_os x Phi / s_os
-    backward     activations   what the layers and the head keep for backward, and the largest transient
-                               on top (``ActivationProfile``: measured on the device, or the formula)
-                 gathered      s_p > 1: the root unit + GATHERED_LAYERS layer units, gathered
+    backward     the largest of its phases (``backward_phases``: the loss's backward, a layer's backward, a
+                 checkpointed layer's recompute, the root's reduction at the end), each split into
+                 activations   what the layers and the head keep for backward, and the transient on top
+                               (``ActivationProfile``: measured on the device, or the formula)
+                 gathered      s_p > 1: the root unit and the layer units gathered then
                  grad_buffers  gradients as autograd makes them before they reach the accumulator (none
                                when each .grad is a view into it), ReduceScatter staging and outputs in
                                flight, the reduce-dtype copies of the replica AllReduce
@@ -68,19 +70,6 @@ class ActivationProfile:
         return ActivationProfile(self.source, tokens, self.layer_saved * f, self.layer_saved_ckpt * f,
                                  self.layer_transient * f, self.head_peak * f)
 
-    def peak(self, num_layers: int, ckpt_units: int) -> float:
-        """Activation peak with the first ``ckpt_units`` of ``num_layers`` layer units checkpointed: at the head
-        (every layer's saved tensors alive), in the top layer's backward, or in a checkpointed layer's
-        backward (its recompute, once the layers above are freed)."""
-        k, n = ckpt_units, num_layers
-        kept = (n - k) * self.layer_saved + k * self.layer_saved_ckpt
-        phases = [kept + self.head_peak]
-        if k < n:
-            phases.append(kept + self.layer_transient)
-        if k > 0:
-            phases.append(k * self.layer_saved_ckpt + self.layer_saved + self.layer_transient)
-        return max(phases)
-
     def to_json(self) -> dict:
         return dict(self.__dict__)
 
@@ -101,21 +90,42 @@ def formula_activations(model: ModelSpec, train: TrainingSpec) -> ActivationProf
     return ActivationProfile("formula", tokens, layer, tokens * model.hidden * a, layer, head)
 
 
-def _grad_buffers(train: TrainingSpec, layout: Layout, replicas: int, max_unit: int, root: int, phi: float) -> float:
-    """Gradient memory of the backward beyond the accumulator (docs/design.md §8)."""
-    s_g = layout.g.size
+def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layout: Layout, ckpt_units: int,
+                    acts: ActivationProfile) -> dict:
+    """Bytes beyond the persistent state at each moment of a backward that can hold its peak, per term:
+
+    head       the loss's backward: every layer's saved tensors, the head's peak, the root gathered and the top
+               layer prefetched (s_p > 1), the output embedding's .grad (held until the root is reduced)
+    layers     the top layer's backward (k < N): its transient, GATHERED_LAYERS layers gathered, one unit's
+               .grad, the staging buffers and ReduceScatter outputs in flight, the replica AllReduce copies
+    recompute  a checkpointed layer's backward (k > 0): its recompute on top of the checkpointed inputs
+    end        the root's reduction when the backward ends: its .grad, its own staging buffer and output
+    """
+    n, k = model.num_layers, ckpt_units
+    units = model.unit_params()
+    root, layer = units[0], max(units[1:], default=0)
     pb, rb = train.param_bytes, train.reduce_bytes
+    s_p, s_g = layout.p.size, layout.g.size
     accum, reduce = train.grad_accum_dtype or train.param_dtype, train.grad_reduce_dtype or train.param_dtype
-    out = 0.0
-    if not (s_g == 1 and accum == train.param_dtype):  # else each .grad is a view into the accumulator
-        # autograd's .grad of the unit being reduced and of the root (reduced when the backward ends), the
-        # staging buffers (one per ReduceScatter in flight and one being filled) and the ReduceScatter outputs
-        staging = IN_FLIGHT_REDUCE_SCATTERS + 1 if s_g > 1 else 1
-        out += (max_unit + root) * pb + staging * max_unit * rb
-        out += staging * max_unit / s_g * rb if s_g > 1 else 0.0
-    if replicas > 1 and accum != reduce:  # the boundary AllReduce runs on reduce-dtype copies of G chunks
-        out += (IN_FLIGHT_REPLICA_COPIES + 1) * max_unit / s_g * rb
-    return out
+    in_place = s_g == 1 and accum == train.param_dtype  # each .grad is a view into the accumulator
+    in_flight = IN_FLIGHT_REDUCE_SCATTERS + 1 if s_g > 1 else 1
+    head_grads = 0.0 if in_place else model.vocab * model.hidden * pb
+    reducing = 0.0 if in_place else layer * pb + in_flight * layer * rb + (in_flight * layer / s_g * rb if s_g > 1 else 0)
+    copies = ((IN_FLIGHT_REPLICA_COPIES + 1) * max(root, layer) / s_g * rb
+              if topo.world_size // s_g > 1 and accum != reduce else 0.0)
+    gathered_root, gathered_layer = (root * pb, layer * pb) if s_p > 1 else (0.0, 0.0)
+    kept = (n - k) * acts.layer_saved + k * acts.layer_saved_ckpt
+    phases = {"head": {"activations": kept + acts.head_peak, "gathered": gathered_root + gathered_layer,
+                       "grad_buffers": head_grads}}
+    busy = {"gathered": gathered_root + GATHERED_LAYERS * gathered_layer, "grad_buffers": head_grads + reducing + copies}
+    if k < n:
+        phases["layers"] = {"activations": kept + acts.layer_transient, **busy}
+    if k > 0:
+        phases["recompute"] = {"activations": k * acts.layer_saved_ckpt + acts.layer_saved + acts.layer_transient,
+                               **busy}
+    end = 0.0 if in_place else root * pb + root * rb + (root / s_g * rb if s_g > 1 else 0)
+    phases["end"] = {"activations": 0.0, "gathered": gathered_root, "grad_buffers": end + copies}
+    return phases
 
 
 def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topology, layout: Layout,
@@ -124,23 +134,20 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     units = model.unit_params()
     pb, gb = train.param_bytes, train.grad_bytes
     s_p, s_g, s_os = layout.sharding()
-    max_unit, max_layer = max(units), max(units[1:], default=0)
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch)
+    phases = backward_phases(model, train, topo, layout, ckpt_units, acts)
+    worst = max(phases, key=lambda p: sum(phases[p].values()))
     step_grad = 4 if gb != 4 else 0  # the optimizer reads fp32 gradients
-    terms = {
-        "params": pb * phi / s_p,
-        "grads": gb * phi / s_g,
-        "optimizer": train.optimizer_bytes * phi / s_os,
-        "activations": acts.peak(model.num_layers, ckpt_units),
-        "gathered": (units[0] + GATHERED_LAYERS * max_layer) * pb if s_p > 1 else 0.0,
-        "grad_buffers": _grad_buffers(train, layout, topo.world_size // s_g, max_unit, units[0], phi),
-        "optimizer_step": (max_unit if train.optimizer_per_unit else phi) / s_os * (step_grad + 4 * OPTIMIZER_TEMP_COPIES),
-    }
+    piece = max(units) if train.optimizer_per_unit else phi
+    terms = {"params": pb * phi / s_p, "grads": gb * phi / s_g, "optimizer": train.optimizer_bytes * phi / s_os,
+             **phases[worst], "optimizer_step": piece / s_os * (step_grad + 4 * OPTIMIZER_TEMP_COPIES)}
     terms = {k: v / GIB for k, v in terms.items()}
-    peak = sum(terms[k] for k in PERSISTENT) + max(sum(terms[k] for k in BACKWARD), terms["optimizer_step"])
+    backward = sum(terms[k] for k in BACKWARD)
+    peak = sum(terms[k] for k in PERSISTENT) + max(backward, terms["optimizer_step"])
     terms["reserved"] = mem.reserved_gb
     terms["margin"] = mem.fragmentation * peak
-    return MemoryBreakdown(terms, peak, acts.source)
+    phase = "optimizer step" if terms["optimizer_step"] > backward else f"backward ({worst})"
+    return MemoryBreakdown(terms, peak, acts.source, phase)
 
 
 @dataclass(frozen=True)
@@ -148,17 +155,12 @@ class MemoryBreakdown:
     terms: dict  # term -> GiB, in TERMS order
     allocated_gb: float  # the allocator's predicted peak (torch.cuda.max_memory_allocated's quantity)
     activation_source: str = "formula"
+    phase: str = "backward"  # where the peak is: "backward (head | layers | recompute | end)" or "optimizer step"
 
     @property
     def total_gb(self) -> float:
         """What the GPU must hold: the allocated peak, the allocator's margin and the fixed reserve."""
         return self.allocated_gb + self.terms["margin"] + self.terms["reserved"]
-
-    @property
-    def phase(self) -> str:
-        """Which phase sets the peak: "backward" or "step"."""
-        back = sum(self.terms[k] for k in BACKWARD)
-        return "step" if self.terms["optimizer_step"] > back else "backward"
 
     def to_json(self) -> dict:
         return {k: round(v, 4) for k, v in self.terms.items()}

@@ -44,7 +44,8 @@ class Executor:
         self._handles = []
         self._reducing: deque = deque()  # (unit, staging) with a ReduceScatter in flight, oldest first
         self._copies: deque = deque()  # units whose replica AllReduce runs on a reduce-dtype copy, oldest first
-        self._free_staging: list = []
+        self._free_staging: list = []  # staging buffers of a layer unit's size, reused within a backward
+        self._pool_size = max((u.spec.padded for u in (layers or self.units)), default=0)
         self._register()
 
     # --- hooks -----------------------------------------------------------------------------
@@ -110,7 +111,7 @@ class Executor:
 
     def reduce(self, unit: Unit) -> None:
         """Start the unit's reduction; release its parameters (the root's stay until the backward ends)."""
-        staging = self._staging() if unit.grad_views is None else None
+        staging = self._staging(unit) if unit.grad_views is None else None
         in_flight = unit.start_reduce(staging)
         if unit is not self.root:
             unit.release()
@@ -118,8 +119,7 @@ class Executor:
             self._reducing.append((unit, staging))
             self.drain(keep=IN_FLIGHT_REDUCE_SCATTERS)
         else:
-            if staging is not None:
-                self._free_staging.append(staging)
+            self._recycle(staging)
             self._after_reduce(unit)
 
     def drain(self, keep: int = 0) -> None:
@@ -127,7 +127,7 @@ class Executor:
         while len(self._reducing) > keep:
             unit, staging = self._reducing.popleft()
             unit.finish_reduce()
-            self._free_staging.append(staging)
+            self._recycle(staging)
             self._after_reduce(unit)
 
     def _after_reduce(self, unit: Unit) -> None:
@@ -146,11 +146,18 @@ class Executor:
             unit.finish_replica_reduce()
         self._copies.clear()
 
-    def _staging(self) -> torch.Tensor:
+    def _staging(self, unit: Unit) -> torch.Tensor:
+        """A buffer for the unit's flat gradients: from the pool of layer-sized buffers, or, for a larger unit
+        (the root, reduced when the backward ends), its own, freed when its reduction completes."""
+        if unit.spec.padded > self._pool_size:
+            return torch.empty(unit.spec.padded, dtype=self.reduce_dtype, device=unit.device)
         if self._free_staging:
             return self._free_staging.pop()
-        size = max(u.spec.padded for u in self.units)
-        return torch.empty(size, dtype=self.reduce_dtype, device=self.units[0].device)
+        return torch.empty(self._pool_size, dtype=self.reduce_dtype, device=unit.device)
+
+    def _recycle(self, staging) -> None:
+        if staging is not None and staging.numel() == self._pool_size:
+            self._free_staging.append(staging)
 
     def post_backward(self) -> None:
         """End of one backward: reduce every unit not reduced yet (the root unit; units with unused
@@ -159,6 +166,7 @@ class Executor:
             if unit.grad_state is GradState.ACCUMULATING:
                 self.reduce(unit)
         self.drain()
+        self._free_staging.clear()  # freed between backwards: the forward and the optimizer step need none
         self.in_backward = False
         for unit in self.units:
             unit.release()

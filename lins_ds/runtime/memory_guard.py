@@ -33,20 +33,24 @@ def plan_block(plan: Plan) -> str:
 
 
 def verdict(plan: Plan, allocated_gb: float, reserved_by_allocator_gb: float, capacity_gb: Optional[float],
-            reserved_gb: float, solve=None) -> tuple:
-    """(over budget?, message). ``solve(capacity)`` re-solves with a smaller budget (None: a fixed plan)."""
+            reserved_gb: float, solve=None, fragmentation: float = 0.05) -> tuple:
+    """(over budget?, message). Over budget: the measured peak with the plan's allocator margin and reserve
+    (the quantity the plan's total predicts) exceeds the budget. What the allocator holds on a larger card
+    is reported but not judged: it caches freely when memory is plentiful. ``solve(capacity)`` re-solves
+    with a smaller budget (None: nothing to re-solve)."""
     line = (f"lins memory: measured peak {allocated_gb:.2f} GiB allocated ({reserved_by_allocator_gb:.2f} GiB held "
             f"by the allocator) vs predicted {plan.predicted_peak_gb:.2f} GiB allocated "
             f"({100 * (allocated_gb / plan.predicted_peak_gb - 1) if plan.predicted_peak_gb else 0:+.1f} %); "
             f"activation memory: {plan.memory_profile or 'not modelled (fixed plan)'}")
     if capacity_gb is None:
         return False, line
-    used = reserved_by_allocator_gb + reserved_gb
+    used = allocated_gb * (1 + fragmentation) + reserved_gb
     if used <= capacity_gb:
-        return False, line + f"; {used:.2f} of {capacity_gb:g} GiB (lins.gpu_memory_gb) used"
+        return False, line + f"; {used:.2f} of {capacity_gb:g} GiB (lins.gpu_memory_gb) needed with margin and reserve"
     excess = used - capacity_gb
-    msg = (line + f". Over budget: the run holds {used:.2f} GiB ({reserved_by_allocator_gb:.2f} in the allocator + "
-           f"{reserved_gb:g} reserved), {excess:.2f} GiB more than lins.gpu_memory_gb = {capacity_gb:g}.")
+    msg = (line + f". Over budget: the run needs {used:.2f} GiB ({allocated_gb:.2f} allocated, "
+           f"{100 * fragmentation:g} % allocator margin, {reserved_gb:g} reserved), {excess:.2f} GiB more than "
+           f"lins.gpu_memory_gb = {capacity_gb:g}.")
     if solve is not None and plan.memory_gb > 0:
         under = used - plan.memory_gb  # what the prediction missed, taken off the budget
         try:
@@ -70,7 +74,8 @@ def check(plan: Plan, context, device: torch.device) -> None:
     held = comm.max_over_world(mine[1], device)
     capacity = context.mem.capacity_gb if context is not None else None
     reserved = context.mem.reserved_gb if context is not None else 0.0
-    over, msg = verdict(plan, allocated, held, capacity, reserved, context.solve if context is not None else None)
+    over, msg = verdict(plan, allocated, held, capacity, reserved, context.solve if context is not None else None,
+                        context.mem.fragmentation if context is not None else 0.05)
     if comm.rank() == 0:
         logger.info(msg)
         print(msg, flush=True)
