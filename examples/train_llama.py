@@ -10,8 +10,9 @@
 (x_t = start + stride * t mod vocab), so the loss falls within a few dozen steps. Rank 0 prints a line per
 step and, with ``--out``, writes a JSON summary (what ``lins-ds bench`` collects).
 
-The only Lins-specific line is ``import lins_ds``: everything else is a plain DeepSpeed training loop
-(ZeRO-3 and MiCS build the model under their own init context, ``lins_ds.tools.baselines``).
+The Lins-specific lines are ``import lins_ds`` and building the model under ``lins_ds.init`` (as ZeRO-3
+builds it under ``deepspeed.zero.Init``; ``lins_ds.tools.baselines.model_init_context`` picks the context
+for each mode): everything else is a plain DeepSpeed training loop.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """lins_ds: Lins sharding (independent P/G/OS meshes) for DeepSpeed.
 
-``import lins_ds`` makes ``deepspeed.initialize`` build a LinsEngine for configs with a ``"lins"``
-block, and fixes accelerate's process count for multi-process CPU runs with DeepSpeed
-(``integrations/accelerate_patch.py`` says why). It does so lazily, right after the program imports
-those packages, so the pure planner (``lins_ds.plan``, ``lins-ds plan``) never pulls torch in.
+``import lins_ds`` makes ``deepspeed.initialize`` build a LinsEngine for configs with a ``"lins"`` block,
+makes transformers' ``from_pretrained`` / ``from_config`` build sharded while a Lins
+``TrainingArguments(deepspeed=...)`` is alive (``lins_ds.init``), and fixes accelerate's process count for
+multi-process CPU runs with DeepSpeed (``integrations/accelerate_patch.py`` says why). It does so lazily,
+right after the program imports those packages, so the pure planner (``lins_ds.plan``, ``lins-ds plan``)
+never pulls torch in.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ def _patch_accelerate() -> None:
     install()
 
 
-_POST_IMPORT = {"deepspeed": _patch_deepspeed, "accelerate.state": _patch_accelerate}
+def _patch_transformers() -> None:
+    from .integrations.sharded_init import install_hf
+
+    install_hf()
+
+
+_POST_IMPORT = {"deepspeed": _patch_deepspeed, "accelerate.state": _patch_accelerate,
+                "transformers.modeling_utils": _patch_transformers}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -62,6 +71,15 @@ for _name, _patch in _POST_IMPORT.items():
         _patch()
 if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+def init(config=None, seed=None):
+    """Context manager: models built (or loaded with ``from_pretrained``) inside keep their parameters off
+    the device, on no rank whole; ``deepspeed.initialize`` with a ``lins`` config materialises each rank's
+    share, unit by unit, as ``deepspeed.zero.Init`` does for ZeRO-3. ``config``: that DeepSpeed config."""
+    from .integrations.sharded_init import init as _init
+
+    return _init(config, seed)
 
 
 def initialize(*args, **kwargs):

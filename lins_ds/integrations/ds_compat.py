@@ -25,6 +25,7 @@ ENGINE_METHODS = {
     "get_global_grad_norm": "overridden: the norm stays on the device until asked for",
     "is_gradient_accumulation_boundary": "called: starts the replica AllReduce in the boundary backward",
     "destroy": "overridden: waits for Lins' collectives and destroys its process groups",
+    "_broadcast_model": "overridden: nothing to broadcast for a model built without values (lins_ds.init)",
 }
 # Attributes DeepSpeedEngine.__init__ sets that LinsEngine reads or writes.
 ENGINE_ATTRIBUTES = ("inside_no_sync_ctxt", "_global_grad_norm", "_config")

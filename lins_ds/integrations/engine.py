@@ -10,6 +10,7 @@ this class touches are listed in ``ds_compat.py``.
 from __future__ import annotations
 
 import atexit
+import time
 import weakref
 
 import torch
@@ -22,6 +23,8 @@ from ..checkpoint.save import save
 from ..plan.layout import needs_unsorted_groups
 from ..runtime import checkpointing, memory_guard
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
+from ..runtime.materialize import is_deferred
+from ..runtime.memory_guard import report_startup
 from ..runtime.optimizer import LinsOptimizer
 from ..runtime.planning import agree_on_plan, announce, make_plan
 from ..runtime.runtime import LinsRuntime
@@ -49,16 +52,20 @@ def validate(config: dict, config_class, has_client_optimizer: bool):
 
 class LinsEngine(DeepSpeedEngine):
     def __init__(self, *args, config=None, config_class=None, optimizer=None, **kwargs):
+        t0 = time.perf_counter()
         cfg, topo = validate(config, config_class, optimizer is not None)
         object.__setattr__(self, "lins_config", cfg)
         object.__setattr__(self, "lins_topology", topo)
         object.__setattr__(self, "lins", None)
         object.__setattr__(self, "_lins_solve", None)
+        if kwargs.get("model") is not None and is_deferred(kwargs["model"]):
+            kwargs["dont_change_device"] = True  # built without values: the runtime places it, unit by unit
         super().__init__(*args, config=config, config_class=config_class, optimizer=optimizer, **kwargs)
         ds_compat.check_engine_attributes(self)
         self.module.register_state_dict_pre_hook(self._gather_for_state_dict)
         self.module._register_state_dict_hook(self._copy_out_state_dict)
         atexit.register(_destroy_at_exit, weakref.ref(self))
+        report_startup(self.lins, self._lins_solve, time.perf_counter() - t0)
 
     def _lins_dtypes(self) -> tuple:
         """(parameter dtype name, gradient accumulation dtype, gradient reduce dtype)."""
@@ -87,7 +94,8 @@ class LinsEngine(DeepSpeedEngine):
         agree_on_plan(plan)
         announce(summary)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
-                                self.lins_config.unit_modules, self.lins_config.overlap_param_sync)
+                                self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
+                                device=torch.device(self.device))
         if self.lins_config.solve or self.lins_config.activation_checkpointing is not None:
             checkpointing.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
@@ -104,6 +112,13 @@ class LinsEngine(DeepSpeedEngine):
         super().step(lr_kwargs=lr_kwargs)
         if before == 0 and self.global_steps == 1:
             memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device)
+
+    def _broadcast_model(self):
+        """DeepSpeed makes every rank start from rank 0's parameters. A model built without values (lins_ds.init,
+        the meta device) gets the same values on every rank by construction (seeded per module, or read from one
+        checkpoint): there is nothing to broadcast."""
+        if not is_deferred(self.module):
+            super()._broadcast_model()
 
     def forward(self, *args, **kwargs):
         if self.lins is not None and self.lins.destroyed:

@@ -57,7 +57,8 @@ def assign_units(module: nn.Module, group_of: dict, class_names: Optional[tuple]
 
 
 def build_unit(name: str, modules: list, params: list, group_of: dict, topo: Topology, layout: Layout,
-               groups: comm.Groups, accum_dtype: torch.dtype, reduce_dtype: torch.dtype) -> Unit:
+               groups: comm.Groups, accum_dtype: torch.dtype, reduce_dtype: torch.dtype, materializer=None,
+               device=None) -> Unit:
     """A unit of ``params`` ordered by param group (each group one contiguous range)."""
     ordered = sorted(enumerate(params), key=lambda ip: (group_of[ip[1][1]], ip[0]))
     slots, off = [], 0
@@ -65,4 +66,4 @@ def build_unit(name: str, modules: list, params: list, group_of: dict, topo: Top
         slots.append(Slot(pname, p, off, p.numel(), p.shape, group_of[p]))
         off += p.numel()
     return Unit(name, slots, ChunkSpec.make(off, topo, layout, groups.rank), layout, groups, accum_dtype,
-                reduce_dtype, modules)
+                reduce_dtype, modules, materializer, device)

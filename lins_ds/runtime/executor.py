@@ -111,7 +111,7 @@ class Executor:
 
     def reduce(self, unit: Unit) -> None:
         """Start the unit's reduction; release its parameters (the root's stay until the backward ends)."""
-        staging = self._staging(unit) if unit.grad_views is None else None
+        staging = None if unit.in_place else self._staging(unit)
         in_flight = unit.start_reduce(staging)
         if unit is not self.root:
             unit.release()

@@ -65,6 +65,27 @@ def verdict(plan: Plan, allocated_gb: float, reserved_by_allocator_gb: float, ca
     return True, msg
 
 
+def report_startup(runtime, context, seconds: float) -> None:
+    """Rank 0 reports the engine's start-up time and the peaks since the process began (the worst rank's GPU
+    peak; its own host RSS), and warns when the GPU peak with the reserve already exceeds the budget."""
+    import resource
+
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mine = measured(runtime.device)
+    gpu = comm.max_over_world(mine[0], runtime.device) if mine is not None else None
+    if comm.rank() != 0:
+        return
+    msg = f"lins start-up: engine built in {seconds:.1f} s; peak host memory {host:.2f} GiB (rank 0)"
+    if gpu is not None:
+        msg += f", peak GPU memory {gpu:.2f} GiB allocated (worst rank)"
+        if context is not None and gpu + context.mem.reserved_gb > context.mem.capacity_gb:
+            msg += (f", over lins.gpu_memory_gb = {context.mem.capacity_gb:g} with the reserve: build the model under "
+                    "lins_ds.init(config=...) so that no rank holds it whole")
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    logger.info(msg)
+    print(msg, flush=True)
+
+
 def check(plan: Plan, context, device: torch.device) -> None:
     """Run on every rank after the first optimizer step; the worst rank's peak is reported."""
     mine = measured(device)

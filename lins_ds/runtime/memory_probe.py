@@ -184,30 +184,29 @@ def _head_run(model: nn.Module, layers: list, batch: dict, device, out_type) -> 
     return ledger.bytes, meter.peak()
 
 
-def _swap(p: nn.Parameter, device) -> None:
-    """Give a parameter empty storage on ``device`` in place (the object, which optimizers hold, stays)."""
-    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
-
-
 @contextlib.contextmanager
 def _materialised(model: nn.Module, layers: list, device: torch.device):
     """What the probe runs (everything but layer units 1..N-1) gets empty storage on ``device`` where it is
-    on the meta device (a model built under lins_ds.init), and goes back to meta afterwards."""
+    on the meta device (a model built under lins_ds.init); the meta parameters are put back afterwards."""
     skip = {id(m) for layer in layers[1:] for m in layer.modules()}
-    params = {id(p): p for m in model.modules() if id(m) not in skip for p in m.parameters(recurse=False) if p.is_meta}
-    buffers = [(m, n) for m in model.modules() if id(m) not in skip for n, b in m._buffers.items()
+    params = [(m, n, p) for m in model.modules() if id(m) not in skip for n, p in m._parameters.items()
+              if p is not None and p.is_meta]
+    buffers = [(m, n, b) for m in model.modules() if id(m) not in skip for n, b in m._buffers.items()
                if b is not None and b.is_meta]
-    for p in params.values():
-        _swap(p, device)
-    for m, n in buffers:
-        m._buffers[n] = torch.zeros_like(m._buffers[n], device=device)
+    real: dict = {}
+    for m, n, p in params:  # tied parameters share one stand-in
+        if id(p) not in real:
+            real[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        m._parameters[n] = real[id(p)]
+    for m, n, b in buffers:
+        m._buffers[n] = torch.zeros_like(b, device=device)
     try:
         yield
     finally:
-        for p in params.values():
-            _swap(p, "meta")
-        for m, n in buffers:
-            m._buffers[n] = m._buffers[n].to("meta")
+        for m, n, p in params:
+            m._parameters[n] = p
+        for m, n, b in buffers:
+            m._buffers[n] = b
 
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",

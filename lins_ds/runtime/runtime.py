@@ -3,6 +3,8 @@ engine, the optimizer, the checkpoints and users (docs/design.md §4)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import comm
@@ -10,11 +12,13 @@ from ..plan import Plan
 from ..plan.layout import is_first_replica
 from .assign import assign_units, build_unit
 from .executor import Executor
+from .materialize import Materializer, is_deferred
 
 
 class LinsRuntime:
     def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True):
+                 reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True,
+                 device: Optional[torch.device] = None):
         self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
         self.module, self.overlap_param_sync = module, overlap_param_sync
         self.groups = comm.Groups(self.topo, self.layout)
@@ -23,10 +27,15 @@ class LinsRuntime:
             for p in group["params"]:
                 if p.requires_grad:  # frozen parameters stay whole on every rank, outside any unit
                     group_of.setdefault(p, gi)
+        # a model built without values (lins_ds.init, the meta device) gets them unit by unit, and the rest whole
+        mat = Materializer(module, device) if is_deferred(module) else None
         self.units = [build_unit(name, mods, params, group_of, self.topo, self.layout, self.groups, accum_dtype,
-                                 reduce_dtype) for name, mods, params in assign_units(module, group_of, unit_modules)]
+                                 reduce_dtype, mat, device)
+                      for name, mods, params in assign_units(module, group_of, unit_modules)]
+        if mat is not None:
+            _materialise_outside_units(module, mat, device)
         root = self.units[0] if self.units and self.units[0].name == "root" else None
-        self.device = self.units[0].device if self.units else torch.device("cpu")
+        self.device = self.units[0].device if self.units else (device or torch.device("cpu"))
         self._executor = Executor(module, root, self.units[1:] if root is not None else self.units, reduce_dtype)
         self.os_replicas = self.topo.world_size // self.layout.os.size
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
@@ -106,6 +115,18 @@ class LinsRuntime:
         self.groups.destroy()
         if self.layout.p.size > 1:  # the module keeps only this rank's P chunks: refuse to run it
             self.module.register_forward_pre_hook(_sharded_after_destroy)
+
+
+def _materialise_outside_units(module: torch.nn.Module, mat: Materializer, device: torch.device) -> None:
+    """Frozen parameters (whole on every rank) and buffers of a deferred model, on the device."""
+    for p in list(module.parameters()):
+        if p.is_meta:
+            mat.materialise_whole(p)
+    mat.materialise_buffers()
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
 
 
 def _sharded_after_destroy(module, args):

@@ -16,6 +16,7 @@ The unit owns its state; callers ask for transitions, never set a state themselv
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Optional
@@ -81,7 +82,8 @@ class Unit:
     ``p_shard`` the P chunk when s_p > 1; ``g_acc`` the accumulated G chunk (the whole unit when s_g == 1)."""
 
     def __init__(self, name: str, slots: list, spec: ChunkSpec, layout: Layout, groups: comm.Groups,
-                 accum_dtype: torch.dtype, reduce_dtype: torch.dtype, modules: Optional[list] = None):
+                 accum_dtype: torch.dtype, reduce_dtype: torch.dtype, modules: Optional[list] = None,
+                 materializer=None, device: Optional[torch.device] = None):
         self.name, self.slots, self.spec, self.modules = name, slots, spec, modules or []
         self.groups, self.reduce_dtype = groups, reduce_dtype
         self.sharded_p, self.sharded_g = layout.p.size > 1, layout.g.size > 1
@@ -90,24 +92,42 @@ class Unit:
             raise LinsConfigError(f"lins: unit {name} mixes dtypes {sorted(map(str, dtypes))} or devices; "
                                   "every trainable parameter of a unit must share dtype and device")
         self.dtype, self.device = dtypes.pop(), devices.pop()
+        if self.device.type == "meta":  # built under lins_ds.init: materialised here, one unit at a time
+            self.device = device
         self.numel = sum(s.numel for s in slots)
-        self.full = torch.zeros(spec.padded, dtype=self.dtype, device=self.device)
+        # a deferred root unit (embeddings and heads: often the largest) with P sharded is never written whole:
+        # its P chunk is filled module by module (the full buffer, never touched, only gives the parameters
+        # their views); a layer unit is filled through its buffer, one unit at a time (docs/design.md §10)
+        by_module = materializer is not None and self.sharded_p and name == "root"
+        self.full = (torch.empty if by_module else torch.zeros)(spec.padded, dtype=self.dtype, device=self.device)
+        self.p_shard = (torch.zeros(spec.p_size, dtype=self.dtype, device=self.device) if by_module else None)
         with torch.no_grad():
-            for s in slots:
-                self.full[s.offset:s.offset + s.numel].copy_(s.param.data.reshape(-1))
-                s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
-        self.p_shard = self.full[spec.p_start:spec.p_start + spec.p_size].clone() if self.sharded_p else None
-        self.g_acc = torch.zeros(spec.g_size if self.sharded_g else spec.padded, dtype=accum_dtype, device=self.device)
-        # s_g == 1 and gradients accumulate in the parameter dtype: each .grad is a view into g_acc, so
+            for i, s in enumerate(slots):
+                view = self.full[s.offset:s.offset + s.numel].view(s.shape)
+                if s.param.is_meta:  # a new Parameter takes the meta one's places in the model
+                    slots[i] = dataclasses.replace(s, param=materializer.materialise(s.param, view))
+                elif by_module:
+                    self.p_shard_write(s, s.param.data.reshape(-1))
+                    s.param.data = view
+                else:
+                    view.copy_(s.param.data)
+                    s.param.data = view
+            if by_module:
+                materializer.fill_shard(self)
+            elif materializer is not None:
+                materializer.fill(self)
+        if self.sharded_p and not by_module:
+            self.p_shard = self.full[spec.p_start:spec.p_start + spec.p_size].clone()
+        # s_g == 1 and gradients accumulate in the parameter dtype: each .grad is a view into the accumulator, so
         # autograd accumulates in place and nothing is copied (DDP's gradient_as_bucket_view)
-        self.grad_views = ([self.g_acc[s.offset:s.offset + s.numel].view(s.shape) for s in slots]
-                           if not self.sharded_g and accum_dtype == self.dtype else None)
+        self.in_place = not self.sharded_g and accum_dtype == self.dtype
+        self.accum_dtype, self._g_acc, self._grad_views = accum_dtype, None, None
         self.param_state, self.grad_state = ParamState.GATHERED, GradState.ACCUMULATING
         self._pending: set = set()  # parameters whose gradient arrived in this backward
         self._gather_work = self._sync_work = self._replica_work = None
         self._reduce = None  # (work, output, staging) of an in-flight ReduceScatter
         self._replica_tmp = None
-        self.attach_grads()
+        self._grads_attached = False
         self.release()
 
     # --- parameters ------------------------------------------------------------------------
@@ -167,11 +187,35 @@ class Unit:
             self._sync_work.wait()
             self._sync_work = None
 
+    def p_shard_write(self, slot, flat: torch.Tensor) -> None:
+        """Copy the part of ``slot``'s flat values that lies in this rank's P chunk into it."""
+        lo, hi = self.spec.p_start, self.spec.p_start + self.spec.p_size
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            self.p_shard[a - lo:b - lo].copy_(flat[a - slot.offset:b - slot.offset])
+
     # --- gradients -------------------------------------------------------------------------
+    @property
+    def g_acc(self) -> torch.Tensor:
+        """The G accumulator, allocated when training first needs it (start-up holds parameters only)."""
+        if self._g_acc is None:
+            size = self.spec.g_size if self.sharded_g else self.spec.padded
+            self._g_acc = torch.zeros(size, dtype=self.accum_dtype, device=self.device)
+        return self._g_acc
+
+    @property
+    def grad_views(self) -> Optional[list]:
+        """In-place mode: each parameter's view into the accumulator (its .grad); None otherwise."""
+        if self.in_place and self._grad_views is None:
+            self._grad_views = [self.g_acc[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        return self._grad_views
+
     def attach_grads(self) -> None:
         """Point every .grad at its slice of g_acc (in-place mode) or clear it."""
+        views = self.grad_views
         for i, s in enumerate(self.slots):
-            s.param.grad = self.grad_views[i] if self.grad_views is not None else None
+            s.param.grad = views[i] if views is not None else None
+        self._grads_attached = True
 
     def grad_arrived(self, param) -> bool:
         """Note ``param``'s gradient; True once every parameter of the unit has one in this backward."""
@@ -179,6 +223,8 @@ class Unit:
         return len(self._pending) == len(self.slots)
 
     def begin_backward(self) -> None:
+        if not self._grads_attached:
+            self.attach_grads()
         if self.grad_state is GradState.REDUCED:
             self.grad_state = GradState.ACCUMULATING
 
@@ -187,7 +233,7 @@ class Unit:
         place where the gradients are views into it), else a ReduceScatter launched now, staged in
         ``staging``. True when a ReduceScatter is in flight (``finish_reduce`` completes it)."""
         self._pending.clear()
-        if self.grad_views is not None:
+        if self.in_place:
             self._adopt_grads()
             self.grad_state = GradState.REDUCED
             return False
@@ -233,7 +279,8 @@ class Unit:
 
     def reset_grads(self) -> None:
         """After the optimizer step (or a skipped one): an empty accumulator for the next window."""
-        self.g_acc.zero_()
+        if self._g_acc is not None:
+            self._g_acc.zero_()
         self._pending.clear()
         self.grad_state = GradState.ACCUMULATING
 

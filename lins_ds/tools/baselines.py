@@ -17,11 +17,16 @@ def is_mics(ds_config: dict) -> bool:
 
 
 def model_init_context(ds_config: dict, device=None):
-    """The context a model must be built in: ``deepspeed.zero.MiCS_Init`` for MiCS,
-    ``deepspeed.zero.Init`` for ZeRO-3 and ZeRO++, else ``device`` (built there directly: fast, and the
-    same values for a seed)."""
+    """The context a model must be built in: ``lins_ds.init`` for Lins (no rank holds the model whole),
+    ``deepspeed.zero.MiCS_Init`` for MiCS, ``deepspeed.zero.Init`` for ZeRO-3 and ZeRO++, else ``device``
+    (built there directly: fast, and the same values for a seed)."""
     import deepspeed
 
+    import lins_ds
+    from ..runtime.config import lins_block
+
+    if lins_block(ds_config) is not None:
+        return lins_ds.init(config=ds_config)
     if zero_stage(ds_config) == 3:
         if is_mics(ds_config):
             return deepspeed.zero.MiCS_Init(config_dict_or_path=ds_config)

@@ -104,7 +104,7 @@ def print_table(table: dict, nocomm: dict) -> None:
     for topo, t in table.items():
         print(f"\n{topo} (best DeepSpeed mode: {t['best_deepspeed']})")
         print(f"{'mode':<12}{'tok/GPU/s':>11}{'MFU':>7}{'step s':>8}{'peak GiB':>9}{'exposed s':>10}"
-              f"{'pred s':>8}{'vs best':>8}{'vs limit':>9}  plan")
+              f"{'pred s':>8}{'vs best':>8}{'vs limit':>9}{'start s':>8}{'start GiB':>10}  plan")
         for r in t["rows"]:
             plan = r.get("plan")
             layout = str(Layout.from_json(plan)) if plan else ""
@@ -112,7 +112,8 @@ def print_table(table: dict, nocomm: dict) -> None:
             print(f"{r['mode']:<12}{r['tokens_per_gpu_s']:>11.0f}{fmt(r.get('mfu') and 100 * r['mfu'], '6.1f'):>7}"
                   f"{r['median_step_s']:>8.3f}{fmt(r.get('peak_memory_gb'), '9.1f'):>9}"
                   f"{fmt(r.get('exposed_comm_s'), '10.3f'):>10}{fmt(r.get('predicted_comm_s'), '8.3f'):>8}"
-                  f"{fmt(r.get('vs_best_deepspeed'), '8.2f'):>8}{fmt(r.get('vs_no_comm_limit'), '9.2f'):>9}  {layout}")
+                  f"{fmt(r.get('vs_best_deepspeed'), '8.2f'):>8}{fmt(r.get('vs_no_comm_limit'), '9.2f'):>9}"
+                  f"{fmt(r.get('startup_s'), '8.1f'):>8}{fmt(r.get('startup_peak_gb'), '10.1f'):>10}  {layout}")
 
 
 def plot(table: dict, results: list, out_dir: str) -> None:

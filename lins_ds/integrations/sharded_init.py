@@ -1,0 +1,187 @@
+"""``lins_ds.init``: build (or load) a model so that no rank ever holds all of it (docs/design.md §10).
+
+Inside the context every parameter a module registers is replaced by one on the meta device (nothing is
+allocated or initialised; buffers stay real) and tagged with the seed of the moment. ``deepspeed.initialize``
+with a ``lins`` config then materialises the model unit by unit (``runtime/materialize.py``): each module's own
+initialisation under a per-module seed, so the initial values are the same for every plan and world size.
+
+``from_pretrained`` inside the context reads nothing: transformers' loader (``core_model_loading``) is
+patched for the duration so that each checkpoint tensor stays a lazy safetensors slice attached to its meta
+parameter; the runtime later reads only the rows of the elements this rank keeps. The Hugging Face Trainer
+form: a live ``TrainingArguments(deepspeed=...)`` whose config has a ``lins`` block makes ``from_pretrained``
+and ``from_config`` enter this context by themselves, as transformers does for ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
+from ..runtime.materialize import SEED, SOURCE
+
+_depth = 0  # nesting of init contexts (from_pretrained called inside one enters none)
+
+
+def active() -> bool:
+    return _depth > 0
+
+
+class LazySlice:
+    """A checkpoint tensor not read yet: a safetensors slice (rows are read on demand)."""
+
+    def __init__(self, sl):
+        self.sl, self.shape = sl, torch.Size(sl.get_shape())
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of the row-major flattening, reading only the rows they touch."""
+        if len(self.shape) == 0:
+            return self.sl[...].reshape(-1)[a:b]
+        row = self.shape.numel() // self.shape[0] if self.shape[0] else 1
+        r0, r1 = a // row, math.ceil(b / row)
+        return self.sl[r0:r1].reshape(-1)[a - r0 * row:b - r0 * row]
+
+    def full(self) -> torch.Tensor:
+        return self.sl[...]
+
+
+def _load_config(config) -> Optional[dict]:
+    if config is None or isinstance(config, dict):
+        return config
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    return load_ds_config(config)
+
+
+@contextlib.contextmanager
+def init(config=None, seed: Optional[int] = None):
+    """Build models inside without materialising their parameters (``lins_ds.init(config=ds_config)``).
+
+    ``config``: the DeepSpeed config (dict or path) that ``deepspeed.initialize`` will get; its ``lins`` block
+    is validated now. ``seed``: the initial values' seed (default: torch's current seed)."""
+    global _depth
+    cfg = _load_config(config)
+    if cfg is not None:
+        block = lins_block(cfg)
+        if block is None:
+            raise LinsConfigError("lins_ds.init: the config has no enabled \"lins\" block; it is for Lins configs")
+        parse_lins_config(block)
+    seed = torch.initial_seed() if seed is None else seed
+
+    def to_meta(module, name, param):
+        if param is None:
+            return None
+        if param.is_meta:
+            if not hasattr(param, SEED):
+                setattr(param, SEED, seed)
+            return None
+        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        setattr(meta, SEED, seed)
+        return meta
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    _depth += 1
+    try:
+        with _deferred_hf_loading():
+            yield
+    finally:
+        _depth -= 1
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _deferred_hf_loading():
+    """While active, transformers' from_pretrained attaches lazy slices to meta parameters instead of reading."""
+    try:
+        import transformers.core_model_loading as cml
+    except ImportError:
+        yield
+        return
+    expected = ("model", "target_name", "param_value", "loading_info", "hf_quantizer")
+    if tuple(inspect.signature(cml.set_param_for_module).parameters)[:5] != expected:
+        raise LinsConfigError("lins_ds.init: this transformers version's loader (core_model_loading.set_param_for_module) "
+                              "is not the one lins_ds patches; call from_pretrained outside lins_ds.init")
+    spawn, materialize_tensors, set_param = cml.spawn_materialize, cml.WeightConverter.materialize_tensors, \
+        cml.set_param_for_module
+
+    def lazy_spawn(thread_pool, tensor, device=None, dtype=None, sharding_op=None, tensor_idx=None):
+        if sharding_op is None and not isinstance(tensor, torch.Tensor) and hasattr(tensor, "get_shape"):
+            lazy = LazySlice(tensor)
+            return lambda: lazy  # HF calls it when it wants the tensor: nothing is read
+        return spawn(thread_pool, tensor, device, dtype, sharding_op=sharding_op, tensor_idx=tensor_idx)
+
+    def real_tensors(self):  # converters (fused or split weights) need whole tensors
+        out = materialize_tensors(self)
+        return {k: [t.full() if isinstance(t, LazySlice) else t for t in v] for k, v in out.items()}
+
+    @torch.no_grad()
+    def attach(model, target_name, param_value, loading_info, hf_quantizer):
+        ref = model.get_parameter(target_name)
+        if hf_quantizer is not None or not ref.is_meta:
+            value = param_value.full() if isinstance(param_value, LazySlice) else param_value
+            return set_param(model, target_name, value, loading_info, hf_quantizer)
+        loading_info.missing_keys.discard(target_name)
+        if tuple(param_value.shape) != tuple(ref.shape):
+            loading_info.mismatched_keys.add((target_name, tuple(param_value.shape), tuple(ref.shape)))
+            return
+        src = param_value if isinstance(param_value, LazySlice) else _InMemory(param_value)
+        setattr(ref, SOURCE, src)
+        ref._is_hf_initialized = True  # transformers' missing-key initialisation leaves it alone
+
+    cml.spawn_materialize, cml.WeightConverter.materialize_tensors, cml.set_param_for_module = \
+        lazy_spawn, real_tensors, attach
+    try:
+        yield
+    finally:
+        cml.spawn_materialize, cml.WeightConverter.materialize_tensors, cml.set_param_for_module = \
+            spawn, materialize_tensors, set_param
+
+
+class _InMemory:
+    """A source already read (a converted tensor)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t.detach().reshape(-1)
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        return self.t[a:b]
+
+    def full(self) -> torch.Tensor:
+        return self.t
+
+
+# --- the Hugging Face Trainer form: TrainingArguments(deepspeed=lins config) before from_pretrained ------------
+def _hf_lins_config() -> Optional[dict]:
+    """The config of a live HfDeepSpeedConfig (what TrainingArguments(deepspeed=...) holds) if it is a Lins one."""
+    try:
+        from transformers.integrations.deepspeed import deepspeed_config
+    except ImportError:
+        return None
+    cfg = deepspeed_config()
+    return cfg if isinstance(cfg, dict) and lins_block(cfg) is not None else None
+
+
+def _entering(fn):
+    def wrapper(cls, *args, **kwargs):
+        cfg = None if active() else _hf_lins_config()
+        if cfg is None:
+            return fn(cls, *args, **kwargs)
+        with init(cfg):
+            return fn(cls, *args, **kwargs)
+    wrapper._lins_patched = True
+    return classmethod(wrapper)
+
+
+def install_hf() -> None:
+    """Make PreTrainedModel.from_pretrained / _from_config build sharded when a Lins TrainingArguments is live."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    for name in ("from_pretrained", "_from_config"):
+        fn = inspect.getattr_static(PreTrainedModel, name)
+        if isinstance(fn, classmethod) and not getattr(fn.__func__, "_lins_patched", False):
+            setattr(PreTrainedModel, name, _entering(fn.__func__))

@@ -1,0 +1,228 @@
+"""lins_ds.init: models built or loaded so that no rank holds them whole, with the same values on every plan."""
+
+import os
+import resource
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import lins_ds  # noqa: F401,E402
+from distributed import run  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+REPLICATED = {"p": [1, 1], "g": [1, 1], "os": [1, 1]}
+P2 = {"p": [2, 1], "g": [2, 1], "os": [2, 1]}
+P4 = {"p": [2, 2], "g": [2, 2], "os": [2, 2]}
+RANGE = 0.1  # initializer_range: far from the kaiming default, so the model's own init is recognisable
+
+
+def llama_config(**kw):
+    return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=96, max_position_embeddings=64,
+                                    initializer_range=RANGE, **kw)
+
+
+def ds_config(plan, gpus_per_node=2):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 0}, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "lins": {"plan": plan, "gpus_per_node": gpus_per_node}}
+
+
+def held_elements(module) -> int:
+    """Parameter elements with storage on this rank (views into released unit buffers hold none)."""
+    seen, total = set(), 0
+    for p in module.parameters():
+        st = p.untyped_storage()
+        if p.is_meta or st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes() // p.element_size()
+    return total
+
+
+def initial_state(plan, gpus_per_node):
+    import deepspeed
+
+    torch.manual_seed(11)
+    cfg = ds_config(plan, gpus_per_node)
+    with lins_ds.init(config=cfg):
+        model = transformers.LlamaForCausalLM(llama_config())
+    before = (sum(p.is_meta for p in model.parameters()), len(list(model.parameters())))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    shard_elements = sum(u.p_storage.numel() for u in engine.lins.units) if engine.lins.layout.p.size > 1 else None
+    held = held_elements(engine.module) + sum(u.p_shard.numel() for u in engine.lins.units if u.p_shard is not None)
+    max_unit = max(u.spec.padded for u in engine.lins.units)
+    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    total = sum(p.numel() for p in model.parameters())
+    return before, state, held, total, max_unit, shard_elements, engine.lins.layout.p.size
+
+
+def test_initial_values_are_the_same_for_every_plan_and_world_size():
+    results = [run(initial_state, 4, plan, 2, gpus_per_node=2)[0] for plan in (REPLICATED, P2, P4)]
+    results.append(run(initial_state, 2, P2, 2, gpus_per_node=2)[0])
+    reference = results[0][1]
+    for (meta, count), state, held, total, max_unit, _, s_p in results:
+        assert meta == count  # nothing materialised before deepspeed.initialize
+        assert held <= total / s_p + max_unit  # after it: this rank's P chunk (plus at most one unit)
+        assert set(state) == set(reference) and all(torch.equal(state[k], reference[k]) for k in reference)
+    for name, t in reference.items():  # the model's own init: normal(0, initializer_range), norms at one
+        if name.endswith("norm.weight"):
+            assert torch.equal(t, torch.ones_like(t)), name
+        elif t.ndim == 2:
+            assert abs(t.float().std().item() / RANGE - 1) < 0.2, (name, t.std().item())
+
+
+# --- from_pretrained under the context: single file and sharded with an index ------------------------------
+def loaded(path, plan, inside):
+    import deepspeed
+
+    from lins_ds.integrations import sharded_init
+
+    reads = []
+    real_read = sharded_init.LazySlice.read
+    sharded_init.LazySlice.read = lambda self, a, b: (reads.append(b - a), real_read(self, a, b))[1]
+    cfg = ds_config(plan)
+    try:
+        if inside:
+            with lins_ds.init(config=cfg):
+                model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        meta = all(p.is_meta for p in model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    finally:
+        sharded_init.LazySlice.read = real_read
+    after_init_reads = sum(reads)
+    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    losses = []
+    for step in range(3):
+        x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(100 * step + torch.distributed.get_rank()))
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return meta, after_init_reads, state, losses
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(llama_config())
+    model.save_pretrained(tmp / "single")
+    model.save_pretrained(tmp / "sharded", max_shard_size="20KB")
+    assert (tmp / "sharded" / "model.safetensors.index.json").exists()
+    return tmp, {k: v.clone() for k, v in model.state_dict().items()}, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("form", ["single", "sharded"])
+def test_from_pretrained_reads_only_this_ranks_slices_and_trains_as_the_eager_model(saved, form):
+    tmp, weights, total = saved
+    lins = run(loaded, 4, str(tmp / form), P4, True, gpus_per_node=2)
+    eager = run(loaded, 4, str(tmp / form), P4, False, gpus_per_node=2)
+    for (meta, read, state, losses), (_, _, _, eager_losses) in zip(lins, eager):
+        assert meta and 0 < read <= total / 2  # P sharded 4 ways: a quarter, plus whole rows at the edges
+        assert all(torch.equal(state[k], weights[k]) for k in weights)
+        assert losses == eager_losses  # each rank its own batches
+
+
+def test_a_replicated_plan_reads_every_weight_once_per_rank(saved):
+    tmp, weights, total = saved
+    meta, read, state, _ = run(loaded, 2, str(tmp / "single"), REPLICATED, True, gpus_per_node=2)[0]
+    assert meta and read == total and all(torch.equal(state[k], weights[k]) for k in weights)
+
+
+# --- a model built on the meta device outside the context; the Trainer form; checkpoints ---------------------
+def other_forms(path, ckpt):
+    import deepspeed
+
+    cfg = ds_config(P4)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(llama_config())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    inv_freq = engine.module.model.rotary_emb.inv_freq.clone()
+    x = torch.randint(0, 96, (2, 8))
+    finite = torch.isfinite(engine(input_ids=x, labels=x).loss).item()
+    engine.save_checkpoint(ckpt)
+    saved_state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.destroy()
+    # TrainingArguments(deepspeed=<lins config>) alive: from_pretrained builds sharded by itself
+    args = transformers.TrainingArguments(output_dir=os.path.dirname(ckpt), deepspeed=cfg, report_to=[],
+                                          per_device_train_batch_size=2)
+    trainer_meta = all(p.is_meta for p in transformers.AutoModelForCausalLM.from_pretrained(path).parameters())
+    del args
+    with lins_ds.init(config=cfg):  # a layout-free Lins checkpoint loads into a model built this way
+        model = transformers.LlamaForCausalLM(llama_config())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(P2))
+    engine.load_checkpoint(ckpt)
+    state = engine.module.state_dict()
+    restored = all(torch.equal(state[k], saved_state[k]) for k in saved_state)
+    engine.destroy()
+    return inv_freq, finite, trainer_meta, restored
+
+
+def test_meta_model_trainer_form_and_checkpoints(saved, tmp_path):
+    tmp, _, _ = saved
+    inv_freq, finite, trainer_meta, restored = run(other_forms, 4, str(tmp / "single"), str(tmp_path / "ckpt"),
+                                                   gpus_per_node=2)[0]
+    expected = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))  # head_dim 8, rope_theta 10000
+    assert torch.allclose(inv_freq, expected) and finite
+    assert trainer_meta and restored
+
+
+# --- host memory while building ------------------------------------------------------------------------------
+def build_rss(sharded: bool):
+    """Peak RSS this rank adds while building a ~0.5 GB fp32 model and deepspeed.initialize with P in 4."""
+    import deepspeed
+
+    cfg = ds_config(P4)
+    big = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                                   num_key_value_heads=8, vocab_size=16000, max_position_embeddings=64)
+    base = reset_peak_rss()
+    torch.manual_seed(0)
+    if sharded:
+        with lins_ds.init(config=cfg):
+            model = transformers.LlamaForCausalLM(big)
+    else:
+        model = transformers.LlamaForCausalLM(big)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    peak = peak_rss()
+    size = sum(p.numel() for p in model.parameters()) * 4
+    engine.destroy()
+    return peak - base, size
+
+
+def peak_rss() -> int:
+    """This process's peak resident set in bytes (Linux's VmHWM; else getrusage's maximum)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> int:
+    """Start a new peak from here (a forked worker inherits its parent's); returns the current peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: the peak resident set becomes the current one
+    except OSError:
+        pass
+    return peak_rss()
+
+
+def test_host_memory_of_a_sharded_build_is_a_fraction_of_an_eager_one():
+    eager = run(build_rss, 4, False, gpus_per_node=2)
+    lins = run(build_rss, 4, True, gpus_per_node=2)
+    assert 0.4e9 < eager[0][1] < 0.7e9
+    for (grown, _), (eager_grown, _) in zip(lins, eager):
+        assert grown < 0.4 * eager_grown, (grown, eager_grown)
