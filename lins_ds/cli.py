@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -97,7 +98,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from .checkpoint.consolidate import consolidate
-    from .checkpoint.save import LinsCheckpointError
+    from .checkpoint.formats import LinsCheckpointError
 
     try:
         out = consolidate(args.ckpt_dir, args.out_dir, args.tag, args.dtype, int(args.max_shard_gb * 2**30))
@@ -105,6 +106,20 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
         print(f"lins-ds consolidate: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote full weights to {out}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .checkpoint.convert import to_universal
+    from .checkpoint.formats import LinsCheckpointError
+
+    try:
+        out = to_universal(args.ckpt_dir, args.out_dir, args.tag)
+    except LinsCheckpointError as e:
+        print(f"lins-ds convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote a DeepSpeed universal checkpoint to {out}; load it with \"checkpoint\": {{\"load_universal\": true}} "
+          f"and engine.load_checkpoint({os.path.dirname(out)!r})")
     return 0
 
 
@@ -159,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     c.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of this size")
     c.set_defaults(func=cmd_consolidate)
+    cv = sub.add_parser("convert", help="a Lins checkpoint as a DeepSpeed universal checkpoint (ZeRO-1/2/3 load it)")
+    cv.add_argument("ckpt_dir")
+    cv.add_argument("out_dir")
+    cv.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
+    cv.add_argument("--to", default="deepspeed-universal", choices=["deepspeed-universal"])
+    cv.set_defaults(func=cmd_convert)
     si = sub.add_parser("simulate", help="predict MFU of Lins and the DeepSpeed baselines at any scale")
     si.add_argument("--model", required=True)
     si.add_argument("--nodes", type=int, default=1)

@@ -9,9 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import dtypes
-from .layout_free import META
-from .load import ShardReader, read_meta, resolve
-from .save import LinsCheckpointError
+from .formats import LINS, LinsCheckpointError, identify, locate
+from .load import ShardReader, _read, read_meta
 
 
 
@@ -19,7 +18,7 @@ def full_state_dict(path: str, dtype: torch.dtype) -> dict:
     """Every parameter (aliases of tied weights once) and persistent buffer, whole, in ``dtype``."""
     meta = read_meta(path)
     reader = ShardReader(path, meta["index"])
-    frozen = load_file(os.path.join(path, "frozen.safetensors"))
+    frozen = _read(load_file, os.path.join(path, "frozen.safetensors"))
     out = {}
     for name, info in meta["params"].items():
         if info["trainable"]:
@@ -67,13 +66,16 @@ def checkpoint_path(ckpt_dir: str, tag=None) -> str:
     directory itself (``.../global_step3``, with or without ``--tag global_step3``)."""
     if not os.path.isdir(ckpt_dir):
         raise LinsCheckpointError(f"consolidate: {ckpt_dir} is not a directory")
-    if os.path.isfile(os.path.join(ckpt_dir, META)) and tag in (None, os.path.basename(os.path.normpath(ckpt_dir))):
-        return ckpt_dir
-    path = resolve(ckpt_dir, tag)
-    if path is None:
-        raise LinsCheckpointError(f"consolidate: {ckpt_dir} has no 'latest' file and no {META}; pass the "
-                                  "checkpoint's tag directory (e.g. .../global_step100) or --tag")
-    return path
+    here = identify(ckpt_dir)
+    found = here if here is not None and tag in (None, os.path.basename(os.path.normpath(ckpt_dir))) else \
+        locate(ckpt_dir, tag)
+    if found is None:
+        raise LinsCheckpointError(f"consolidate: {ckpt_dir} has no 'latest' file and is no checkpoint itself; pass "
+                                  "the checkpoint's tag directory (e.g. .../global_step100) or --tag")
+    if found.kind != LINS:
+        raise LinsCheckpointError(f"consolidate: {found.path} is {found.describe()}; DeepSpeed's zero_to_fp32.py "
+                                  "(saved beside it) writes its full weights, or load it into a Lins engine")
+    return found.path
 
 
 def consolidate(ckpt_dir: str, out_dir: str, tag=None, dtype: str = "fp32", max_shard_bytes: int = 5 * 2**30) -> str:

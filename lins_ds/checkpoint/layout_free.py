@@ -9,8 +9,9 @@ A checkpoint tag directory holds
     frozen.safetensors        frozen parameters and persistent buffers (rank 0)
     extra.pt                  LR scheduler, loss scaler, client_state (rank 0)
     config.json               the Hugging Face model config, when there is one
-A save goes to "<tag>.incomplete" and is renamed to "<tag>" once every rank has written;
-"latest" is rewritten last. So a killed save leaves the previous checkpoint and "latest" intact.
+A save goes to "<tag>.incomplete", marked by a "SAVING" file written first, and is renamed to "<tag>" once
+every rank has written (the marker removed just before); "latest" is rewritten last. So a killed save leaves
+the previous checkpoint and "latest" intact, and is recognised by its marker.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ FORMAT = "lins_ds.checkpoint/1"
 META = "meta.json"
 LATEST = "latest"
 INCOMPLETE = ".incomplete"
+SAVING = "SAVING"  # the marker of a save in progress, inside "<tag>.incomplete"
 
 
 def range_key(name: str, a: int, b: int, what: str) -> str:

@@ -1,62 +1,47 @@
-"""Load a Lins checkpoint into any plan and world size: each rank reads the parameter ranges of its
-own OS chunks from whichever shard files hold them, then the P-sync AllGather rebuilds P."""
+"""Load a checkpoint into any plan and world size (docs/design.md §9): a Lins checkpoint, or a DeepSpeed ZeRO
+stage 1/2/3 checkpoint (converted by DeepSpeed's own ``ds_to_universal``), or a DeepSpeed universal one.
+
+Each rank reads the parameter ranges of its own OS chunks — fp32 master weights and element-wise optimizer
+state — then the P-sync AllGather rebuilds P. Every read is agreed on: each rank reports its outcome and all
+of them raise the first error any rank saw, naming the file, before any of them goes on to a collective.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .layout_free import FORMAT, INCOMPLETE, LATEST, META, overlaps, range_key
-from .save import LinsCheckpointError
+from .. import comm
+from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, locate
+from .layout_free import FORMAT, META, overlaps, range_key
+from .universal import UniversalReader, convert
+
+ADAM_FAMILY = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}  # what a DeepSpeed universal checkpoint's state fits
 
 
-def resolve(load_dir: str, tag=None):
-    """The checkpoint directory to load, None when there is nothing (DeepSpeed returns (None, None))."""
-    if tag is None:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.isfile(latest):
-            return None
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(load_dir, str(tag))
-    if not os.path.isfile(os.path.join(path, META)):
-        if os.path.isdir(path + INCOMPLETE) or os.path.isdir(path):
-            raise LinsCheckpointError(f"load_checkpoint: {path} is incomplete (a save was interrupted); "
-                                      "load an earlier tag")
-        raise LinsCheckpointError(f"load_checkpoint: no checkpoint tag {tag!r} in {load_dir}")
-    return path
-
-
-def read_meta(path: str) -> dict:
+def agreed(fn):
+    """``fn()`` on every rank; if it raised on any rank, every rank raises that rank's error (checkpoint
+    reads fail together, before any collective; the message names the file)."""
     try:
-        with open(os.path.join(path, META)) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise LinsCheckpointError(f"load_checkpoint: {path}/{META} is unreadable ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise LinsCheckpointError(f"load_checkpoint: {path} is not a lins_ds checkpoint "
-                                  f"(format {meta.get('format')!r}, expected {FORMAT!r})")
-    return meta
+        result, error = fn(), None
+    except (LinsCheckpointError, OSError) as e:
+        result, error = None, str(e)
+    error = comm.agree(error)
+    if error is not None:
+        raise LinsCheckpointError(error)
+    return result
 
 
-def check_model(meta: dict, module: torch.nn.Module, strict: bool) -> None:
-    ours = {n: list(p.shape) for n, p in module.named_parameters()}
-    theirs = {n: v["shape"] for n, v in meta["params"].items()}
-    wrong = [f"{n}: checkpoint {theirs[n]} vs model {s}" for n, s in ours.items() if n in theirs and theirs[n] != s]
-    if wrong:
-        raise LinsCheckpointError("load_checkpoint: checkpoint is from another model; shapes differ: "
-                                  + "; ".join(wrong[:5]))
-    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-    if strict and (missing or unexpected):
-        raise LinsCheckpointError(f"load_checkpoint: parameters missing from the checkpoint {missing[:5]}, "
-                                  f"unexpected in it {unexpected[:5]} (load_module_strict=True)")
-
-
+# --- the two kinds of source --------------------------------------------------------------------------------
 class ShardReader:
+    """Element ranges of a Lins checkpoint's shard files."""
+
     def __init__(self, path: str, index: dict):
         self.path, self.index, self._files = path, index, {}
 
@@ -80,7 +65,7 @@ class ShardReader:
             lo, hi = max(a, sa), min(b, sb)
             try:
                 piece = f.get_slice(key)[lo - sa:hi - sa]
-            except (SafetensorError, Exception) as e:  # noqa: BLE001 - any read failure is a broken file
+            except Exception as e:  # noqa: BLE001 - any read failure is a broken file
                 raise LinsCheckpointError(f"load_checkpoint: {self.path}/{fname} is unreadable: {e}") from None
             dest[lo - a:hi - a].copy_(piece)
             covered += hi - lo
@@ -97,52 +82,173 @@ class ShardReader:
         return None
 
 
-@torch.no_grad()
-def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    path = resolve(load_dir, tag)
-    if path is None:
-        return None, None
-    meta = read_meta(path)
-    check_model(meta, engine.module, load_module_strict)
-    opt, reader = engine.optimizer, ShardReader(path, meta["index"])
-    engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
-    with_state = load_optimizer_states and not load_module_only
-    if with_state and meta["optimizer"] != type(opt.optimizer).__name__:
-        raise LinsCheckpointError(f"load_checkpoint: optimizer state is {meta['optimizer']}'s, this engine uses "
-                                  f"{type(opt.optimizer).__name__}; pass load_optimizer_states=False")
+class LinsCheckpoint:
+    def __init__(self, path: str):
+        self.path, self.meta = path, read_meta(path)
+        self.reader = ShardReader(path, self.meta["index"])
+        self.elementwise, self.scalars = self.meta["elementwise_state"], self.meta["scalar_state"]
+        self.param_groups = self.meta["param_groups"]
+
+    def check(self, engine, strict: bool, with_state: bool) -> None:
+        check_model(self.meta, engine.module, strict)
+        theirs, ours = self.meta["optimizer"], type(engine.optimizer.optimizer).__name__
+        if with_state and theirs != ours:
+            raise LinsCheckpointError(f"load_checkpoint: optimizer state is {theirs}'s, this engine uses {ours}; "
+                                      "pass load_optimizer_states=False")
+
+    def rest(self) -> dict:
+        """Frozen parameters and buffers, LR scheduler, loss scaler, counters, client_state."""
+        frozen = _read(lambda p: load_file(p), os.path.join(self.path, "frozen.safetensors"))
+        extra = _read(lambda p: torch.load(p, weights_only=False), os.path.join(self.path, "extra.pt"))
+        counters = {k: self.meta[k] for k in ("global_steps", "global_samples", "skipped_steps")}
+        return {"tensors": frozen, "lr_scheduler": extra["lr_scheduler"], "loss_scaler": extra["loss_scaler"],
+                "client_state": extra["client_state"], "counters": counters}
+
+
+class UniversalCheckpoint:
+    """A DeepSpeed universal checkpoint (or a ZeRO one converted to it), read by parameter name."""
+
+    elementwise, scalars = ["exp_avg", "exp_avg_sq"], ["step"]
+
+    def __init__(self, path: str, origin: str):
+        self.path, self.origin = path, origin
+        self.reader = UniversalReader(path)
+        self.param_groups = self.reader.param_groups
+
+    def check(self, engine, strict: bool, with_state: bool) -> None:
+        shapes = {}
+        for group in self.reader.model_states.get("param_shapes") or []:
+            shapes.update({n: list(s) for n, s in group.items()})
+        ours = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+        missing = sorted(n for n in ours if not self.reader.has(n))
+        wrong = [f"{n}: checkpoint {shapes[n]} vs model {list(p.shape)}" for n, p in ours.items()
+                 if n in shapes and shapes[n] != list(p.shape)]
+        if wrong:
+            raise LinsCheckpointError(f"load_checkpoint: {self.origin} is from another model; shapes differ: "
+                                      + "; ".join(wrong[:5]))
+        if missing:
+            raise LinsCheckpointError(f"load_checkpoint: {self.origin} lacks parameters {missing[:5]}")
+        name = type(engine.optimizer.optimizer).__name__
+        if with_state and name not in ADAM_FAMILY:
+            raise LinsCheckpointError(f"load_checkpoint: {self.origin} holds Adam's state (exp_avg, exp_avg_sq); "
+                                      f"this engine uses {name}; pass load_optimizer_states=False")
+
+    def rest(self) -> dict:
+        ms = self.reader.model_states
+        return {"tensors": self.reader.buffers(), "lr_scheduler": ms.get("lr_scheduler"), "loss_scaler": None,
+                "client_state": self.reader.client_state(), "counters": self.reader.counters()}
+
+
+def _read(read, path: str):
+    try:
+        return read(path)
+    except Exception as e:  # noqa: BLE001 - any failure to read is a broken file, named
+        raise LinsCheckpointError(f"load_checkpoint: {path} is unreadable (truncated or corrupted?): "
+                                  f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+def read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, META), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LinsCheckpointError(f"load_checkpoint: {path}/{META} is unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise LinsCheckpointError(f"load_checkpoint: {path} is not a lins_ds checkpoint "
+                                  f"(format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
+    return meta
+
+
+def check_model(meta: dict, module: torch.nn.Module, strict: bool) -> None:
+    ours = {n: list(p.shape) for n, p in module.named_parameters()}
+    theirs = {n: v["shape"] for n, v in meta["params"].items()}
+    wrong = [f"{n}: checkpoint {theirs[n]} vs model {s}" for n, s in ours.items() if n in theirs and theirs[n] != s]
+    if wrong:
+        raise LinsCheckpointError("load_checkpoint: checkpoint is from another model; shapes differ: "
+                                  + "; ".join(wrong[:5]))
+    missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if strict and (missing or unexpected):
+        raise LinsCheckpointError(f"load_checkpoint: parameters missing from the checkpoint {missing[:5]}, "
+                                  f"unexpected in it {unexpected[:5]} (load_module_strict=True)")
+
+
+@contextlib.contextmanager
+def opened(found: Found):
+    """The checkpoint to read. A DeepSpeed ZeRO checkpoint is converted by DeepSpeed's ds_to_universal on rank 0
+    into a work directory beside it (removed afterwards; the user's files are only read)."""
+    if found.kind == LINS:
+        yield agreed(lambda: LinsCheckpoint(found.path))
+        return
+    if found.kind != DEEPSPEED:
+        yield agreed(lambda: UniversalCheckpoint(found.path, found.path))
+        return
+    work = os.path.join(os.path.dirname(os.path.abspath(found.path)),
+                        f".lins-convert-{os.path.basename(found.path)}")
+    try:
+        def convert_on_rank0():
+            if comm.rank() == 0:
+                shutil.rmtree(work, ignore_errors=True)
+                convert(found.path, work)
+        agreed(convert_on_rank0)
+        yield agreed(lambda: UniversalCheckpoint(os.path.join(work, "universal"), found.path))
+    finally:
+        comm.barrier()
+        if comm.rank() == 0:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _fill_optimizer(engine, ckpt, with_state: bool) -> None:
+    """This rank's master slices (and their optimizer state) from the checkpoint."""
+    opt, reader = engine.optimizer, ckpt.reader
     for gi, group in enumerate(opt.param_groups):
         for sl in [s for s in opt.slices if any(s.param is p for p in group["params"])]:
-            state = {k: torch.zeros_like(sl.param.data) for k in meta["elementwise_state"]} if with_state else {}
+            state = {k: torch.zeros_like(sl.param.data) for k in ckpt.elementwise} if with_state else {}
             for slot, (a, b), (s, e) in sl.unit.pieces(sl.lo, sl.hi):
                 reader.fill(sl.param.data[s:e], slot.name, a, b, "master")
                 for k, t in state.items():
                     reader.fill(t[s:e], slot.name, a, b, k)
-            for k in meta["scalar_state"] if with_state else ():
+            for k in ckpt.scalars if with_state else ():
                 v = reader.scalar(gi, k)
                 if v is not None:
                     state[k] = v  # scalar state (Adam's step) lives on the CPU unless the optimizer is capturable
             if with_state:
                 opt.state[sl.param] = state
             sl.write_back()
-    if with_state:
-        _restore_group_hyperparameters(opt.param_groups, meta["param_groups"])
+
+
+@torch.no_grad()
+def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    found = agreed(lambda: locate(load_dir, tag))
+    if found is None:
+        return None, None
+    with_state = load_optimizer_states and not load_module_only
+    with opened(found) as ckpt:
+        agreed(lambda: ckpt.check(engine, load_module_strict, with_state))
+        engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
+        agreed(lambda: _fill_optimizer(engine, ckpt, with_state))
+        rest = agreed(ckpt.rest)
+    if with_state and ckpt.param_groups:
+        _restore_group_hyperparameters(engine.optimizer.param_groups, ckpt.param_groups, found.kind == LINS)
     engine.lins.sync_parameters()
-    _load_frozen(engine.module, path)
-    extra = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    _copy_into(engine.module, rest["tensors"])
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        if opt.loss_scaler is not None and extra["loss_scaler"]:
-            vars(opt.loss_scaler).update(extra["loss_scaler"])
-        engine.global_steps, engine.global_samples = meta["global_steps"], meta["global_samples"]
-        engine.skipped_steps = meta["skipped_steps"]
-    return path, extra["client_state"]
+        opt = engine.optimizer
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and rest["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(rest["lr_scheduler"])
+        if opt.loss_scaler is not None and rest["loss_scaler"]:
+            vars(opt.loss_scaler).update(rest["loss_scaler"])
+        for k, v in rest["counters"].items():
+            setattr(engine, k, v)
+    return found.path, rest["client_state"]
 
 
-def _restore_group_hyperparameters(groups: list, saved: list) -> None:
-    """lr, betas, weight decay ... as saved (schedulers set the lr only on their next step)."""
+def _restore_group_hyperparameters(groups: list, saved: list, strict: bool = True) -> None:
+    """lr, betas, weight decay ... as saved (schedulers set the lr only on their next step). DeepSpeed's ZeRO-3
+    saves one group per sub-group: when the counts differ there, the engine's own hyperparameters stay."""
     if len(groups) != len(saved):
+        if not strict:
+            return
         raise LinsCheckpointError(f"load_checkpoint: the checkpoint has {len(saved)} optimizer param groups, "
                                   f"this optimizer {len(groups)}; pass load_optimizer_states=False")
     for group, values in zip(groups, saved):
@@ -151,13 +257,10 @@ def _restore_group_hyperparameters(groups: list, saved: list) -> None:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
 
 
-def _load_frozen(module: torch.nn.Module, path: str) -> None:
-    try:
-        tensors = load_file(os.path.join(path, "frozen.safetensors"))
-    except (SafetensorError, OSError) as e:
-        raise LinsCheckpointError(f"load_checkpoint: {path}/frozen.safetensors is unreadable: {e}") from None
+def _copy_into(module: torch.nn.Module, tensors: dict) -> None:
+    """Frozen parameters and buffers by name."""
     own = dict(module.named_parameters())
     own.update({n: b for n, b in module.named_buffers()})
     for name, t in tensors.items():
-        if name in own:
+        if name in own and own[name].shape == t.shape:
             own[name].data.copy_(t)

@@ -11,11 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from .. import comm
-from .layout_free import FORMAT, INCOMPLETE, LATEST, META, range_key
+from .formats import LinsCheckpointError
+from .layout_free import FORMAT, INCOMPLETE, LATEST, META, SAVING, range_key
 
-
-class LinsCheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read as asked; the previous checkpoint and `latest` stay as they were."""
+__all__ = ["LinsCheckpointError", "save"]
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -113,7 +112,8 @@ def _write_rank0_files(engine, tmp: str, entries: list, client_state) -> None:
 
 
 def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
-    """Rename the complete directory into place, then rewrite ``latest``."""
+    """Drop the in-progress marker, rename the complete directory into place, then rewrite ``latest``."""
+    os.remove(os.path.join(tmp, SAVING))
     final, old = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".old")
     if os.path.exists(final):
         shutil.rmtree(old, ignore_errors=True)
@@ -130,16 +130,29 @@ def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool =
     tag = _agree_on_tag(engine, tag)
     engine.lins.wait()  # fp32 masters alias the P storage an in-flight P-sync writes
     tmp = os.path.join(save_dir, tag + INCOMPLETE)
-    if comm.rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
-        os.makedirs(tmp)
-    comm.barrier()
-    entries = comm.all_gather_object(_write_shard(engine, tmp))
-    if comm.rank() == 0:
-        _write_rank0_files(engine, tmp, entries, client_state)
-    comm.barrier()
-    if comm.rank() == 0:
-        _publish(save_dir, tag, tmp, save_latest)
-    comm.barrier()
+    _agreed(lambda: _start(save_dir, tmp, tag) if comm.rank() == 0 else None)
+    entries = comm.all_gather_object(_agreed(lambda: _write_shard(engine, tmp)))
+    _agreed(lambda: _write_rank0_files(engine, tmp, entries, client_state) if comm.rank() == 0 else None)
+    _agreed(lambda: _publish(save_dir, tag, tmp, save_latest) if comm.rank() == 0 else None)
     return True
+
+
+def _start(save_dir: str, tmp: str, tag: str) -> None:
+    """A fresh ``<tag>.incomplete`` with the in-progress marker first (a killed save is recognised by it)."""
+    os.makedirs(save_dir, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, SAVING), "w") as f:
+        f.write(f"a Lins save of tag {tag} in progress; complete saves are renamed to {tag}\n")
+
+
+def _agreed(fn):
+    """Every rank's outcome of a write step, combined: all raise the first error (disk full, permissions)."""
+    try:
+        result, error = fn(), None
+    except (OSError, LinsCheckpointError) as e:
+        result, error = None, f"save_checkpoint: {e}"
+    error = comm.agree(error)
+    if error is not None:
+        raise LinsCheckpointError(error + " (the previous checkpoint and `latest` are untouched)")
+    return result

@@ -125,8 +125,9 @@ def from_hf_config(cfg: dict, name: str) -> ModelSpec:
     )
 
 
-def load_model(name_or_path: str) -> ModelSpec:
-    """A built-in name (``llama-7b``, or ``7b`` for short), a ``config.json`` path, or a directory holding one."""
+def load_model(name_or_path: str, key: str = "--model") -> ModelSpec:
+    """A built-in name (``llama-7b``, or ``7b`` for short), a ``config.json`` path, or a directory holding one.
+    ``key``: how the user named it (``--model``, ``lins.model``), for the error message."""
     for name in (name_or_path, f"llama-{name_or_path}"):
         if name in BUILTIN_MODELS:
             return BUILTIN_MODELS[name]
@@ -135,12 +136,17 @@ def load_model(name_or_path: str) -> ModelSpec:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise PlanError(
-            f"--model {name_or_path!r}: not a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
+            f"{key} {name_or_path!r}: not a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
             "and no such config.json file"
         )
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"--model {name_or_path!r}: cannot read config.json: {e}") from None
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{key} {path}: not a config.json: the file is not UTF-8 text ({e.reason} at byte "
+                        f"{e.start})") from None
+    except (OSError, ValueError) as e:
+        raise PlanError(f"{key} {path}: cannot read config.json: {e}") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"{key} {path}: a config.json holds a JSON object, this file holds a {type(cfg).__name__}")
     return from_hf_config(cfg, name_or_path)

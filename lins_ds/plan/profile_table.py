@@ -125,10 +125,14 @@ class ProfileTable:
         return cls(meta, series)
 
     @classmethod
-    def load(cls, path: str) -> "ProfileTable":
+    def load(cls, path: str, key: str = "--profile") -> "ProfileTable":
+        """``key``: how the user named the file (``--profile``, ``lins.profile``), for the error message."""
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 obj = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise PlanError(f"--profile {path}: cannot read profile: {e}") from None
-        return cls.from_json(obj, origin=f"--profile {path}")
+        except UnicodeDecodeError as e:
+            raise PlanError(f"{key} {path}: not a profile: the file is not UTF-8 text ({e.reason} at byte "
+                            f"{e.start})") from None
+        except (OSError, ValueError) as e:
+            raise PlanError(f"{key} {path}: cannot read profile: {e}") from None
+        return cls.from_json(obj, origin=f"{key} {path}")

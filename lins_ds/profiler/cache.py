@@ -60,7 +60,7 @@ def load(path: str, key: dict, meshes, max_bytes: int) -> tuple:
     if not os.path.exists(path):
         return None, f"no cached profile at {path}"
     try:
-        table = ProfileTable.load(path)
+        table = ProfileTable.load(path, key="cached profile")
     except PlanError as e:
         return None, f"cached profile {path} is unreadable ({e})"
     stored = {k: table.meta.get(k) for k in KEY_FIELDS}

@@ -32,7 +32,7 @@ from .optimizer import steps_per_parameter
 
 def _model_spec(module: torch.nn.Module, cfg: LinsConfig):
     if cfg.model:
-        return load_model(cfg.model)
+        return load_model(cfg.model, key="lins.model")
     hf = getattr(module, "config", None)
     if hf is not None and hasattr(hf, "to_dict"):
         return from_hf_config(hf.to_dict(), type(module).__name__)
@@ -68,7 +68,7 @@ def _timing_table(cfg: LinsConfig, topo: Topology, model, train: TrainingSpec, d
         largest = max(model.unit_params()) * train.param_bytes
         return obtain(topo, meshes, device, quick=True, max_bytes=largest, cache_dir=cfg.profile_cache,
                       log=lambda msg: print(msg, flush=True) if comm.rank() == 0 else None)
-    return ProfileTable.load(cfg.profile)
+    return ProfileTable.load(cfg.profile, key="lins.profile")
 
 
 def layer_units(module: torch.nn.Module, cfg: LinsConfig) -> list:

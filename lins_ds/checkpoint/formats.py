@@ -1,0 +1,81 @@
+"""What a checkpoint directory holds: a Lins checkpoint, a DeepSpeed ZeRO checkpoint, a DeepSpeed universal
+checkpoint, an interrupted Lins save (recognised by its own marker), or nothing a checkpoint loader can use
+(docs/design.md §9)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .layout_free import INCOMPLETE, LATEST, META, SAVING
+
+LINS, DEEPSPEED, UNIVERSAL = "lins", "deepspeed", "deepspeed-universal"
+LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer to a universal checkpoint
+
+
+class LinsCheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read as asked; the previous checkpoint and `latest` stay as they were."""
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    kind: str  # LINS, DEEPSPEED or UNIVERSAL
+    detail: str = ""  # e.g. "ZeRO-3"
+
+    def describe(self) -> str:
+        return {LINS: "a Lins checkpoint", DEEPSPEED: f"a DeepSpeed {self.detail} checkpoint",
+                UNIVERSAL: "a DeepSpeed universal checkpoint"}[self.kind]
+
+
+def identify(path: str) -> Optional[Found]:
+    """What ``path`` (a tag directory) holds, or None."""
+    if os.path.isfile(os.path.join(path, META)):
+        return Found(path, LINS)
+    states = glob.glob(os.path.join(path, "*model_states.pt"))
+    if states and os.path.isdir(os.path.join(path, "zero")):
+        return Found(path, UNIVERSAL)
+    if states and glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")):
+        zero3 = any(os.path.basename(s).startswith("zero_pp_rank_") for s in states)
+        return Found(path, DEEPSPEED, "ZeRO-3" if zero3 else "ZeRO-1/2")
+    return None
+
+
+def _read_pointer(load_dir: str, name: str) -> Optional[str]:
+    path = os.path.join(load_dir, name)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            tag = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise LinsCheckpointError(f"load_checkpoint: {path} is unreadable ({e}); pass tag=...") from None
+    if not tag:
+        raise LinsCheckpointError(f"load_checkpoint: {path} is empty; pass tag=...")
+    return tag
+
+
+def locate(load_dir: str, tag=None) -> Optional[Found]:
+    """The checkpoint to load, or None when ``load_dir`` names none (DeepSpeed returns (None, None)). A tag
+    directory that holds no checkpoint is an error saying what it holds; an interrupted Lins save is an error
+    saying so, recognised by its own marker."""
+    if not os.path.isdir(load_dir):
+        raise LinsCheckpointError(f"load_checkpoint: {load_dir} is not a directory")
+    if tag is None:
+        tag = _read_pointer(load_dir, LATEST) or _read_pointer(load_dir, LATEST_UNIVERSAL)
+        if tag is None:
+            return None
+    path = os.path.join(load_dir, str(tag))
+    if os.path.isdir(path):
+        found = identify(path)
+        if found is not None:
+            return found
+        listing = sorted(os.listdir(path))[:6]
+        raise LinsCheckpointError(f"load_checkpoint: {path} is not a checkpoint: it holds neither Lins' {META} nor "
+                                  f"DeepSpeed's model and optimizer states (it holds {listing})")
+    if os.path.isfile(os.path.join(path + INCOMPLETE, SAVING)):
+        raise LinsCheckpointError(f"load_checkpoint: {path} is incomplete (a save was interrupted); "
+                                  f"{path + INCOMPLETE} is still marked in progress; load an earlier tag")
+    raise LinsCheckpointError(f"load_checkpoint: no checkpoint tag {str(tag)!r} in {load_dir}")
