@@ -171,11 +171,15 @@ def trace(args, rank: int, cuda: bool):
 
 
 def write_trace_summary(prof, path: str, cuda: bool) -> None:
-    """Top operators of two profiled steps by device (or CPU) time: where a step's time goes."""
+    """Top operators of two profiled steps by device (or CPU) time: where a step's time goes; then by the host's
+    own time, where a launch- or hook-bound step spends it."""
     key = "cuda_time_total" if cuda else "cpu_time_total"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    averages = prof.key_averages()
     with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by=key, row_limit=30))
+        f.write(averages.table(sort_by=key, row_limit=30))
+        if cuda:
+            f.write("\n\nBy the host's own time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) -> dict:

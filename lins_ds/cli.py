@@ -180,17 +180,28 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
     cv.add_argument("--to", default="deepspeed-universal", choices=["deepspeed-universal"])
     cv.set_defaults(func=cmd_convert)
-    si = sub.add_parser("simulate", help="predict MFU of Lins and the DeepSpeed baselines at any scale")
-    si.add_argument("--model", required=True)
+    si = sub.add_parser("simulate", help="predict MFU of Lins and the DeepSpeed baselines at any scale; fit and "
+                        "check the simulator against GPU runs (--fit, --validate)")
+    si.add_argument("--model", help="required unless --fit or --validate")
     si.add_argument("--nodes", type=int, default=1)
-    si.add_argument("--gpus-per-node", type=int, required=True)
-    si.add_argument("--seq-len", type=int, required=True)
-    si.add_argument("--micro-batch-size", type=int, required=True)
-    si.add_argument("--global-batch-tokens", type=int, required=True)
+    si.add_argument("--gpus-per-node", type=int, help="required unless --fit or --validate")
+    si.add_argument("--seq-len", type=int, help="required unless --fit or --validate")
+    si.add_argument("--micro-batch-size", type=int, help="required unless --fit or --validate")
+    si.add_argument("--global-batch-tokens", type=int, help="required unless --fit or --validate")
     si.add_argument("--gpu-memory-gb", type=float)
-    si.add_argument("--cluster", help="built-in cluster (default a800-ib): its timing table and compute model; "
-                    "with --profile only its compute model (peak FLOP/s, memory bandwidth)")
-    si.add_argument("--profile", help="measured table from lins-ds profile for the collectives")
+    si.add_argument("--cluster", help="built-in cluster (default a800-ib; with fitted terms, the cluster they were "
+                    "fitted on; h200-emulated for --fit): its timing table and compute model; with --profile only "
+                    "its compute model (peak FLOP/s, memory bandwidth)")
+    si.add_argument("--profile", help="measured table from lins-ds profile for the collectives (the real host's, "
+                    "with --fit/--validate); terms that --fit stored in it are applied")
+    si.add_argument("--emulated-profile", help="with --fit/--validate: the measured table of the emulated nodes")
+    si.add_argument("--calibration", help="a profile written by --fit whose fitted terms to apply (e.g. to the "
+                    "paper's setting with --cluster)")
+    si.add_argument("--fit", nargs="+", metavar="BENCH_JSON", help="fit the per-system terms to these lins-ds "
+                    "bench results, print predicted next to measured (with leave-one-out) and write --out")
+    si.add_argument("--validate", nargs="+", metavar="BENCH_JSON", help="predicted next to measured step, "
+                    "communication and peak memory for the runs in these bench results, with the fitted terms")
+    si.add_argument("--out", help="with --fit: where to write the profile with the fitted terms")
     si.add_argument("--systems", default="zero1,zero2,zero3,zeropp,mics,lins")
     si.add_argument("--efficiency", type=float, help="compute efficiency; default: calibrated (see output)")
     si.add_argument("--sweep-nodes", help="comma-separated node counts, e.g. 1,2,4,...,128")

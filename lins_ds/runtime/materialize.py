@@ -101,7 +101,6 @@ class Materializer:
             if info is not None and info[2] is None:
                 by_owner.setdefault(info[1], []).append(slot)
         for owner in sorted(by_owner):
-            module = self.modules[owner]
             temps = {id(s.param): nn.Parameter(torch.empty(s.shape, dtype=unit.dtype, device=self.device),
                                                requires_grad=s.param.requires_grad) for s in by_owner[owner]}
             places = [(m, n, p) for p in (s.param for s in by_owner[owner]) for m, n in self.where.get(id(p), [])]

@@ -168,7 +168,8 @@ def main(args) -> int:
     print_table(table, nocomm)
     failed = [r for r in results if r.get("failed")]
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"command": " ".join(sys.argv), "no_comm_limit": nocomm, "table": table, "failed": failed,
+        json.dump({"command": " ".join(sys.argv), "micro_batch_size": args.micro_batch_size,
+                   "grad_accum": args.grad_accum, "no_comm_limit": nocomm, "table": table, "failed": failed,
                    "memory_budget_gb": args.memory_budget_gb}, f, indent=1)
     if table:
         plot(table, results + ([nocomm] if nocomm else []), args.out)

@@ -28,23 +28,28 @@ exposed as in the paper. Exposed time of an overlapped phase = max(0, comm - com
 
 Compute: training FLOPs per token (``ModelSpec.flops_per_token``) at ``peak x efficiency``, backward
 twice the forward, recompute one more forward under activation checkpointing (used by a system only
-when it does not fit without). Step = compute + exposed communication. The efficiency is calibrated
-from one stated point.
+when it does not fit without). Optimizer update: the bytes it touches at full memory bandwidth.
+Step = compute + update + exposed communication, each scaled by the system's ``Overheads`` where
+they were fitted from GPU runs (``tools/calibrate.py``, ``lins-ds simulate --fit``); for the ZeRO-3 family
+the exposed part is the slower of the link and its module fetches' own cost (``StepTerms.step``). The
+efficiency is calibrated from one stated point.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 from ..plan import cost
 from ..plan.memory import memory
 from ..plan.model import ModelSpec
 from ..plan.profile_table import ProfileTable
-from ..plan.solver import ComputeSpec, NoFeasiblePlan, compute_seconds, solve
+from ..plan.solver import ComputeSpec, NoFeasiblePlan, compute_seconds, optimizer_seconds, solve
 from ..plan.spec import MemorySpec, TrainingSpec
 from ..plan.topology import Factor, Layout, PlanError, Topology
 
 SYSTEMS = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics", "lins")
+FETCH_SYSTEMS = ("zero3", "zeropp", "mics")  # DeepSpeed's stage-3 code: parameters fetched module by module
 MODULES_PER_LAYER = 7  # q, k, v, o, gate, up, down: DeepSpeed gathers module by module (norms persist)
 
 
@@ -61,6 +66,8 @@ class SimResult:
     checkpointing: bool
     layout: dict
     fits: bool = True
+    update_s: float = 0.0  # the optimizer update (exposed_comm_s holds communication and per-fetch costs)
+    checkpoint_units: int = 0  # layer units under activation checkpointing (Lins chooses how many)
 
     def to_json(self) -> dict:
         out = dict(self.__dict__)
@@ -110,48 +117,132 @@ def baseline_schedule(system: str, topo: Topology, model: ModelSpec, train: Trai
     return out
 
 
-def step_time(colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,
-              overlapped: bool) -> tuple:
-    """(step, compute, exposed, total comm) seconds for timed collectives. Overlapped (Lins): the planner's
-    exposure model with the P-sync not overlapped, as in the paper; otherwise every collective is exposed."""
+@dataclass(frozen=True)
+class Overheads:
+    """Per-system costs the byte model leaves out, fitted from GPU runs of each system (``tools/calibrate.py``):
+    ``comm_factor`` scales the modelled exposed communication (what the system's bucketing and scheduling make
+    of the profiled collective times), ``update_factor`` the modelled optimizer update (bytes at full memory
+    bandwidth; the real update makes extra copies and launches), ``per_fetch_s`` is the cost of one module fetch
+    of the ZeRO-3 family (its hooks and launches, forward and backward). ``compute`` holds the fitted compute
+    efficiency per model name."""
+
+    systems: dict  # system -> {"comm_factor", "update_factor", "per_fetch_s"}
+    compute: dict = field(default_factory=dict)  # model name -> achievable fraction of peak
+    source: str = ""
+    cluster: str = ""  # the compute model (cluster name) the efficiencies are fractions of
+
+    def terms(self, system: str) -> dict:
+        return {**DEFAULT_TERMS, **self.systems.get(system, {})}
+
+    def to_json(self) -> dict:
+        return {"systems": self.systems, "compute_efficiency": self.compute, "source": self.source,
+                "cluster": self.cluster}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Overheads":
+        return cls({k: {t: float(d[t]) for t in DEFAULT_TERMS if t in d} for k, d in obj["systems"].items()},
+                   {m: float(e) for m, e in obj.get("compute_efficiency", {}).items()}, str(obj.get("source", "")),
+                   str(obj.get("cluster", "")))
+
+
+DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0}
+NO_OVERHEADS = Overheads({}, {}, "none")
+
+
+def fetches(system: str, model: ModelSpec, train: TrainingSpec) -> int:
+    """Module fetches per step of the ZeRO-3 family (forward and backward; norms persist); 0 for the others."""
+    if system not in FETCH_SYSTEMS:
+        return 0
+    return train.grad_accum * 2 * (model.num_layers * MODULES_PER_LAYER + 2)
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """One step of a system, by term (seconds)."""
+
+    compute_s: float  # forward and backward of every micro-batch (recompute included)
+    update_s: float  # the optimizer's element-wise update of this rank's OS share
+    exposed_s: float  # modelled exposed communication
+    comm_s: float  # all modelled communication
+    fetches: int
+
+    def waits(self, ov: dict) -> tuple:
+        """(link, fetch): the exposed communication and the fetches' own cost (hooks, launches) under ``ov``."""
+        return ov["comm_factor"] * self.exposed_s, ov["per_fetch_s"] * self.fetches
+
+    def fetch_bound(self, ov: dict) -> bool:
+        """Whether the module fetches, not the link, set the pace (see ``step``)."""
+        link, fetch = self.waits(ov)
+        return fetch > link
+
+    def step(self, ov: dict) -> float:
+        """Compute + update + the slower of the link and the fetches: a DeepSpeed fetch waits for its gather, and
+        its hooks run while the prefetched gathers are in flight, so on a fast link (NVLink) the fetches' CPU
+        cost is what is left exposed and on a slow one (sockets, a network) the transfers."""
+        return self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
+
+
+def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,
+               s_os: int, overlap_param_sync: bool = False) -> StepTerms:
+    """Lins overlaps as its executor does (``cost.exposed_seconds``; the P-sync only with
+    ``overlap_param_sync``, off in the paper's comparison); DeepSpeed's collectives are taken as exposed."""
     fwd, bwd = compute_seconds(model, train, compute, ckpt_units)
     total = sum(c.total_s for c in colls)
-    exposed = (cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, overlap_param_sync=False)
-               if overlapped else total)
-    compute_s = train.grad_accum * (fwd + bwd)
-    return compute_s + exposed, compute_s, exposed, total
+    exposed = (cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, overlap_param_sync)
+               if system == "lins" else total)
+    return StepTerms(train.grad_accum * (fwd + bwd), optimizer_seconds(model, train, s_os, compute), exposed, total,
+                     fetches(system, model, train))
 
 
 def _baseline_memory(system: str, model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec) -> tuple:
-    """(checkpointed units, GiB) of a baseline: no checkpointing unless it does not fit without."""
+    """(checkpointed units, MemoryBreakdown) of a baseline: no checkpointing unless it does not fit without."""
     layout = equivalent_layout(system, topo)
     for k in (0, model.num_layers):
-        gb = memory(model, train, mem, topo, layout, k).total_gb
-        if gb <= mem.capacity_gb:
+        breakdown = memory(model, train, mem, topo, layout, k)
+        if breakdown.total_gb <= mem.capacity_gb:
             break
-    return k, gb
+    return k, breakdown
+
+
+def system_terms(system: str, model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec,
+                 table: ProfileTable, compute: ComputeSpec, layout: Optional[Layout] = None,
+                 overlap_param_sync: bool = False) -> Optional[tuple]:
+    """(StepTerms, layout, checkpointed units, MemoryBreakdown) of ``system``; Lins solves unless ``layout`` is given
+    (the paper's objective, communication); None when no Lins plan fits."""
+    if system == "lins":
+        try:
+            layouts = [layout] if layout is not None else None
+            sol = solve(model, topo, train, MemorySpec(1e9 if layout is not None else mem.capacity_gb,
+                                                       mem.reserved_gb), table, compute, layouts=layouts,
+                        objective="comm")
+        except NoFeasiblePlan:
+            return None
+        best = sol.best
+        terms = step_terms(system, best.collectives, model, train, compute, best.ckpt_units, best.layout.os.size,
+                           overlap_param_sync)
+        return terms, best.layout, best.ckpt_units, best.memory
+    layout = equivalent_layout(system, topo)
+    ckpt, breakdown = _baseline_memory(system, model, topo, train, mem)
+    colls = cost.timed(baseline_schedule(system, topo, model, train), table)
+    return step_terms(system, colls, model, train, compute, ckpt, layout.os.size), layout, ckpt, breakdown
 
 
 def simulate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
-             compute: ComputeSpec, systems=SYSTEMS) -> dict:
+             compute: ComputeSpec, systems=SYSTEMS, overheads: Overheads = NO_OVERHEADS) -> dict:
     results = {}
     for system in systems:
-        if system == "lins":
-            try:  # the paper's objective: communication
-                sol = solve(model, topo, train, mem, table, compute, objective="comm")
-            except NoFeasiblePlan:
-                continue
-            colls, ckpt, layout = list(sol.best.collectives), sol.best.ckpt_units, sol.best.layout
-            mem_gb = sol.best.memory.total_gb
-        else:
-            layout = equivalent_layout(system, topo)
-            ckpt, mem_gb = _baseline_memory(system, model, topo, train, mem)
-            colls = cost.timed(baseline_schedule(system, topo, model, train), table)
-        step, comp, exposed, comm_total = step_time(colls, model, train, compute, ckpt, system == "lins")
+        found = system_terms(system, model, topo, train, mem, table, compute)
+        if found is None:
+            continue
+        terms, layout, ckpt, breakdown = found
+        mem_gb, ov = breakdown.total_gb, overheads.terms(system)
+        step = terms.step(ov)
         tokens_gpu_s = train.tokens_per_micro_batch * train.grad_accum / step
         mfu = tokens_gpu_s * model.flops_per_token(train.seq_len) / (compute.peak_tflops * 1e12)
-        results[system] = SimResult(system, step, comp, exposed, comm_total, mfu, tokens_gpu_s, mem_gb, ckpt > 0,
-                                    layout.to_json(), mem_gb <= mem.capacity_gb)
+        update_s = ov["update_factor"] * terms.update_s
+        results[system] = SimResult(system, step, terms.compute_s, step - terms.compute_s - update_s, terms.comm_s,
+                                    mfu, tokens_gpu_s, mem_gb, ckpt > 0, layout.to_json(), mem_gb <= mem.capacity_gb,
+                                    update_s, ckpt)
     return results
 
 
@@ -166,12 +257,12 @@ def sim_train(model: ModelSpec, topo: Topology, seq_len: int, micro_batch: int, 
 
 
 def calibrate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
-              compute: ComputeSpec, system: str, target_mfu: float) -> ComputeSpec:
-    """The compute efficiency at which ``system`` simulates to ``target_mfu`` (bisection)."""
+              compute: ComputeSpec, system: str, target_mfu: float, overheads: Overheads = NO_OVERHEADS) -> ComputeSpec:
+    """The compute efficiency at which ``system`` (with ``overheads``) simulates to ``target_mfu`` (bisection)."""
     lo, hi = 0.05, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
         c = ComputeSpec(compute.peak_tflops, mid, compute.memory_bandwidth_gbs)
-        got = simulate(model, topo, train, mem, table, c, (system,))[system].mfu
+        got = simulate(model, topo, train, mem, table, c, (system,), overheads)[system].mfu
         lo, hi = (mid, hi) if got < target_mfu else (lo, mid)
     return ComputeSpec(compute.peak_tflops, (lo + hi) / 2, compute.memory_bandwidth_gbs)

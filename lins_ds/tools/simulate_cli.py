@@ -6,17 +6,42 @@ import json
 
 from .. import plan as P
 from ..plan import cost
-from .simulate import SYSTEMS, calibrate, sim_train, simulate
+from . import calibrate as fitting
+from .simulate import NO_OVERHEADS, SYSTEMS, calibrate, sim_train, simulate
+
+REQUIRED = ("model", "gpus_per_node", "seq_len", "micro_batch_size", "global_batch_tokens")
+
+
+def _fitted_terms(args):
+    """The fitted terms to apply: --calibration's, else those stored in --profile, else none."""
+    for path in (args.calibration, args.profile):
+        if path:
+            found = fitting.stored(P.ProfileTable.load(path), path)
+            if found is not None:
+                return found, path
+            if path == args.calibration:
+                raise P.PlanError(f"--calibration {path}: holds no fitted terms (meta.simulator); write one with "
+                                  f"lins-ds simulate --fit")
+    return NO_OVERHEADS, None
 
 
 def run(args) -> int:
-
+    if args.fit or args.validate:
+        return run_fit(args)
+    for name in REQUIRED:
+        if getattr(args, name) is None:
+            raise P.PlanError(f"--{name.replace('_', '-')}: required to simulate (unless --fit or --validate)")
+    overheads, terms_from = _fitted_terms(args)
     model = P.load_model(args.model)
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise P.PlanError(f"--systems: {unknown} not among {SYSTEMS}")
-    cluster = P.get_cluster(args.cluster or "a800-ib")
+    fitted_eff = model.name in overheads.compute and args.profile and not args.efficiency
+    if fitted_eff and args.cluster and overheads.cluster and args.cluster != overheads.cluster:
+        raise P.PlanError(f"--cluster {args.cluster}: the fitted efficiency of {model.name} ({terms_from}) is a fraction "
+                          f"of {overheads.cluster}'s peak; give --cluster {overheads.cluster}, or --efficiency")
+    cluster = P.get_cluster(args.cluster or (overheads.cluster if fitted_eff else "") or "a800-ib")
     capacity = args.gpu_memory_gb or (None if args.profile and not args.cluster else cluster.gpu_memory_gb)
     if capacity is None:
         raise P.PlanError("--gpu-memory-gb: required with --profile unless --cluster names the machine")
@@ -31,18 +56,24 @@ def run(args) -> int:
     if args.efficiency:
         compute = P.ComputeSpec(compute.peak_tflops, args.efficiency, compute.memory_bandwidth_gbs)
         note = f"compute efficiency {args.efficiency:.3f} (given)"
+    elif fitted_eff:
+        compute = P.ComputeSpec(compute.peak_tflops, overheads.compute[model.name], compute.memory_bandwidth_gbs)
+        note = f"compute efficiency {compute.achievable_mfu:.3f} (fitted to GPU runs of {model.name}, {terms_from})"
     else:  # the paper, §III-A: ZeRO-1 trains LLaMA-7B at 63 % MFU on 8 GPUs (4M-token batch)
         topo8 = P.Topology(1, args.gpus_per_node)
         cal = sim_train(P.load_model("llama-7b"), topo8, args.seq_len, args.micro_batch_size, args.global_batch_tokens)
-        compute = calibrate(P.load_model("llama-7b"), topo8, cal, mem, table_for(topo8), compute, "zero1", 0.63)
+        compute = calibrate(P.load_model("llama-7b"), topo8, cal, mem, table_for(topo8), compute, "zero1", 0.63,
+                            overheads)
         note = (f"compute efficiency {compute.achievable_mfu:.3f}, calibrated so that ZeRO-1 trains llama-7b at "
                 f"63 % MFU on 1 node x {args.gpus_per_node} (the paper's 8-GPU point)")
+    if terms_from:
+        note += f"; per-system terms fitted to GPU runs ({terms_from})"
     nodes_list = [int(x) for x in args.sweep_nodes.split(",")] if args.sweep_nodes else [args.nodes]
     out = {"calibration": note, "runs": []}
     for m in nodes_list:
         topo = P.Topology(m, args.gpus_per_node)
         train = sim_train(model, topo, args.seq_len, args.micro_batch_size, args.global_batch_tokens)
-        res = simulate(model, topo, train, mem, table_for(topo), compute, systems)
+        res = simulate(model, topo, train, mem, table_for(topo), compute, systems, overheads)
         out["runs"].append({"nodes": m, "gpus": topo.world_size, "micro_batches": train.grad_accum,
                             "systems": {k: v.to_json() for k, v in res.items()}})
     if args.format == "json":
@@ -53,14 +84,57 @@ def run(args) -> int:
               f"{args.micro_batch_size}, {args.global_batch_tokens} tokens per step; {note}")
         for run in out["runs"]:
             print(f"\n{run['gpus']} GPUs ({run['nodes']} nodes), {run['micro_batches']} micro-batches per GPU per step")
-            print(f"  {'system':<8}{'MFU':>7}{'tok/GPU/s':>11}{'step s':>9}{'exposed s':>10}{'mem GiB':>9}  layout")
+            print(f"  {'system':<8}{'MFU':>7}{'tok/GPU/s':>11}{'step s':>9}{'update s':>9}{'exposed s':>10}{'mem GiB':>9}"
+                  "  layout")
             for name, r in run["systems"].items():
                 lay = str(P.Layout.from_json(r["layout"]))
+                ckpt = f" +ckpt {r['checkpoint_units']}/{model.num_layers}" if r["checkpointing"] else ""
                 print(f"  {name:<8}{100 * r['mfu']:>6.1f}%{r['tokens_per_gpu_s']:>11.0f}{r['step_s']:>9.3f}"
-                      f"{r['exposed_comm_s']:>10.3f}{r['memory_gb_per_gpu']:>9.1f}  {lay}{' +ckpt' if r['checkpointing'] else ''}"
+                      f"{r['update_s']:>9.3f}{r['exposed_comm_s']:>10.3f}{r['memory_gb_per_gpu']:>9.1f}  {lay}{ckpt}"
                       f"{'' if r['fits'] else '  (does not fit)'}")
     if args.plot:
         _plot_sweep(out["runs"], systems, args.plot, model.name)
+    return 0
+
+
+def run_fit(args) -> int:
+    """--fit (fit the terms, write them with the profile, show every run with leave-one-out) or --validate."""
+    if not args.profile:
+        raise P.PlanError("--profile: required with --fit/--validate (the measured table of the host the runs used)")
+    if args.fit and args.validate:
+        raise P.PlanError("--fit and --validate: give one (--fit also prints the validation)")
+    if args.fit and not args.out:
+        raise P.PlanError("--out: required with --fit (where to write the profile with the fitted terms)")
+    tables = {"host": P.ProfileTable.load(args.profile)}
+    if args.emulated_profile:
+        tables["emulated"] = P.ProfileTable.load(args.emulated_profile)
+    runs = [r for path in (args.fit or args.validate) for r in fitting.load_runs(path)]
+    if args.fit:
+        cluster = args.cluster or "h200-emulated"
+        compute = P.get_cluster(cluster).compute()
+        overheads = fitting.fit(runs, tables, compute, source=", ".join(args.fit), cluster=cluster)
+        rows = fitting.validate(runs, tables, compute, overheads, leave_one_out=True)
+        fitting.write_calibrated_profile(args.profile, args.out, overheads, rows)
+    else:
+        overheads, terms_from = _fitted_terms(args)
+        if terms_from is None:
+            raise P.PlanError(f"--profile {args.profile}: holds no fitted terms; give the profile --fit wrote, or "
+                              f"--calibration")
+        compute = P.get_cluster(args.cluster or overheads.cluster or "h200-emulated").compute()
+        rows = fitting.validate(runs, tables, compute, overheads)
+    modes = fitting.per_mode(rows)
+    if args.format == "json":
+        print(json.dumps({"terms": overheads.to_json(), "runs": rows, "modes": modes}, indent=1))
+    else:
+        print(fitting.terms_text(overheads) + "\n\n" + fitting.table_text(rows))
+        for label, key in (("predicted", "error_pct"), ("leave-one-out (the mode's runs left out)", "loo_error_pct")):
+            errs = [abs(r[key]) for r in rows if r.get(key) is not None]
+            if errs:
+                print(f"{label}: {sum(e <= 10 for e in errs)} of {len(errs)} runs within 10 %, largest {max(errs):.1f} %")
+        print("\nper mode, repeated runs held to their median:\n" + fitting.per_mode_text(modes))
+        if args.fit:
+            print(f"wrote {args.out}: {args.profile} with the fitted terms; lins-ds simulate --profile {args.out} "
+                  f"(or --calibration {args.out}) applies them")
     return 0
 
 

@@ -1,0 +1,341 @@
+"""The simulator held to measurement (docs/design.md §11): the terms the byte model leaves out, fitted from GPU
+runs of every system at once, and every run's predicted step next to its measured one.
+
+A run is one row of a ``lins-ds bench`` result (``bench.json``): a system (a DeepSpeed mode, or Lins with its
+plan), a model, a batch, a topology (the real host, or emulated nodes). The simulator prices it term by term
+(``simulate.StepTerms``) with the measured collective table of that topology. The measured step is then fitted
+as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as much as a 5 s one)::
+
+    step = compute / efficiency[model]       compute at peak: the same for every system of a model
+         + update_factor * update            the optimizer update's bytes at full memory bandwidth
+         + max(comm_factor[system] * exposed,    the modelled exposed communication, per system, or
+               per_fetch * fetches)          DeepSpeed's module fetches (hooks, launches), whichever is slower:
+                                             one cost shared by the ZeRO-3 family (ZeRO-3, ZeRO++ and MiCS
+                                             run the same code); 0 fetches for the others
+
+The maximum is fitted by its active branch: each ZeRO-3-family run's regressor is the branch that is slower
+under the previous round's terms (the first round sums both), repeated until no run changes branch. Tried
+as a sum, the fit could not hold ZeRO-3 on 2 emulated nodes at both model sizes (+20 % at 1B, -26 % at 7B):
+on sockets the fetch cost hides behind the transfers.
+
+A term is shared unless the data can tell its values apart: within one model the compute and the update are
+the same for every system, so a factor per optimizer implementation is not determined (the fit trades it
+against the efficiency; tried, it gave updates at 14x the byte model and a 7B efficiency of 1). Sharing also
+leaves each term several runs, so a run left out of the fit can still be predicted: the leave-one-out column
+of ``validate``, the honest figure. Lins' exposed time depends on the compute it overlaps, so the fit repeats
+with the new efficiencies until they settle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..plan import ComputeSpec, Layout, MemorySpec, PlanError, ProfileTable, Topology, TrainingSpec, load_model
+import warnings
+
+from .simulate import FETCH_SYSTEMS, SYSTEMS, Overheads, StepTerms, system_terms
+
+SYSTEM_OF = {"nocomm": "zero0", "lins_as_zero3": "lins", "lins-budget": "lins"}  # bench modes -> systems
+
+
+@dataclass(frozen=True)
+class Run:
+    system: str
+    mode: str
+    model: str
+    topology: str  # "host" or "emulated"
+    nodes: int
+    gpus_per_node: int
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    step_s: float
+    peak_gb: Optional[float]  # torch.cuda.max_memory_allocated
+    planned_peak_gb: Optional[float]  # Lins: what its plan predicted at start-up (measured activations)
+    over_nocomm_s: Optional[float]  # step minus the no-communication run's, where the bench ran one
+    layout: Optional[Layout]  # Lins' plan
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.topology} {self.mode}"
+
+    @property
+    def config(self) -> tuple:
+        """What the model computes per step: runs of one config share a no-communication baseline."""
+        return self.model, self.seq_len, self.micro_batch, self.grad_accum
+
+    @property
+    def key(self) -> tuple:
+        """The mode a run measures: runs with the same key are repeats of one another (other leases)."""
+        return self.label, str(self.layout or ""), self.config, self.nodes, self.gpus_per_node
+
+
+def _flag(command: str, name: str, default: int) -> int:
+    m = re.search(rf"--{name}[ =](\d+)", command)
+    return int(m.group(1)) if m else default
+
+
+def load_runs(path: str) -> list:
+    """The runs of a ``lins-ds bench`` result."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            bench = json.load(f)
+        rows = [(t, r) for t, table in bench["table"].items() for r in table["rows"]]
+        command = bench.get("command", "")
+        nocomm = bench.get("no_comm_limit")
+        if nocomm:
+            rows.append(("host", dict(nocomm, mode="nocomm", world_size=1, gpus_per_node=1)))
+        mb = int(bench.get("micro_batch_size") or _flag(command, "micro-batch-size", 2))  # older results: the
+        gas = int(bench.get("grad_accum") or _flag(command, "grad-accum", 2))  # command line, bench's defaults
+        runs = []
+        for topo, r in rows:
+            world, step = int(r["world_size"]), float(r["median_step_s"])
+            if r.get("samples_per_gpu_per_step", mb * gas) != mb * gas:
+                raise ValueError(f"{r['mode']}: {r['samples_per_gpu_per_step']} samples per GPU per step, not "
+                                 f"micro-batch {mb} x grad-accum {gas}")
+            per_node, plan = int(r.get("gpus_per_node") or world), r.get("plan")
+            runs.append(Run(SYSTEM_OF.get(r["mode"], r["mode"]), r["mode"], load_model(str(r["model"])).name, topo,
+                            world // per_node,
+                            per_node, int(r["seq_len"]), mb, gas, step, r.get("peak_memory_gb"),
+                            (plan or {}).get("predicted_peak_gb"),
+                            step - nocomm["median_step_s"] if nocomm and r["mode"] != "nocomm" else None,
+                            Layout.from_json(plan) if plan else None))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanError) as e:
+        raise PlanError(f"{path}: not a lins-ds bench result ({e})") from None
+    return runs
+
+
+def terms_of(run: Run, tables: dict, compute: ComputeSpec) -> tuple:
+    """(StepTerms, MemoryBreakdown) of a run, with its topology's measured table (``tables[run.topology]``)."""
+    model = load_model(run.model)
+    topo = Topology(run.nodes, run.gpus_per_node)
+    train = TrainingSpec(run.seq_len, run.micro_batch, run.grad_accum)
+    table = tables.get(run.topology if topo.world_size > 1 else "host")
+    if table is None:
+        raise PlanError(f"{run.label}: no profile for the {run.topology} topology (--profile / --emulated-profile)")
+    found = system_terms(run.system, model, topo, train, MemorySpec(1e9), table, compute, run.layout,
+                         overlap_param_sync=True)
+    if found is None:
+        raise PlanError(f"{run.label}: no plan")
+    return found[0], found[3]
+
+
+def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool]) -> dict:
+    """The run's regressors: what each fitted coefficient multiplies. ``bound``: whether the run's fetches,
+    not its link, set the pace (None: not yet known, both count)."""
+    cols = {f"compute:{run.model}": terms.compute_s * efficiency,  # compute at peak: coefficient 1/efficiency
+            "update": terms.update_s}
+    if not terms.fetches or bound is not True:
+        cols[f"comm:{run.system}"] = terms.exposed_s
+    if terms.fetches and bound is not False:
+        cols["fetch"] = float(terms.fetches)
+    return cols
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares (Lawson and Hanson's active set), columns scaled to unit norm."""
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    a = a / norms
+    n = a.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, bool)
+    for _ in range(3 * n):
+        w = a.T @ (b - a @ x)
+        if passive.all() or np.max(np.where(passive, -np.inf, w)) <= 1e-12:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if z[passive].min() > 0:
+                x = z
+                break
+            neg = passive & (z <= 0)
+            x = x + np.min(x[neg] / np.maximum(x[neg] - z[neg], 1e-300)) * (z - x)
+            passive &= x > 1e-15
+    return x / norms
+
+
+def _compute(compute: ComputeSpec, efficiency: float) -> ComputeSpec:
+    return ComputeSpec(compute.peak_tflops, efficiency, compute.memory_bandwidth_gbs)
+
+
+def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds: int = 30, cluster: str = "") -> Overheads:
+    """Every system's terms and every model's compute efficiency, fitted from ``runs`` (module docstring)."""
+    eff = {r.model: compute.achievable_mfu for r in runs}
+    bound = [None] * len(runs)
+    for _ in range(rounds):
+        terms = [terms_of(r, tables, _compute(compute, eff[r.model]))[0] for r in runs]
+        cols = [_columns(r, t, eff[r.model], b) for r, t, b in zip(runs, terms, bound)]
+        names = sorted({n for c in cols for n, v in c.items() if v > 0})
+        a = np.array([[c.get(n, 0.0) / r.step_s for n in names] for r, c in zip(runs, cols)])
+        coef = dict(zip(names, nnls(a, np.ones(len(runs)))))
+        missing = [m for m in eff if coef.get(f"compute:{m}", 0.0) <= 0]
+        if missing:
+            raise PlanError(f"{missing}: the runs do not determine this model's compute efficiency")
+        new = {m: 1.0 / coef[f"compute:{m}"] for m in eff}
+        ov = _overheads(coef, new, source, cluster)
+        new_bound = [t.fetch_bound(ov.terms(r.system)) if t.fetches else None for r, t in zip(runs, terms)]
+        settled = max(abs(new[m] - eff[m]) for m in eff) < 1e-4 and new_bound == bound
+        eff, bound = new, new_bound
+        if settled:
+            break
+    else:
+        warnings.warn(f"lins-ds simulate --fit: the terms did not settle in {rounds} rounds (a run keeps changing "
+                      f"between link- and fetch-bound); the last round's terms are used")
+    return ov
+
+
+def _overheads(coef: dict, efficiency: dict, source: str, cluster: str) -> Overheads:
+    """Per-system terms from the fitted coefficients, for every system (the shared ones apply to a system with no
+    run too); a term no run determined keeps its default."""
+    out = {}
+    for s in SYSTEMS:
+        terms = {"comm_factor": coef.get(f"comm:{s}"), "update_factor": coef.get("update"),
+                 "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None}
+        out[s] = {t: float(v) for t, v in terms.items() if v is not None}
+    return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster)
+
+
+def predict(run: Run, tables: dict, compute: ComputeSpec, overheads: Overheads) -> tuple:
+    """(predicted step, StepTerms, MemoryBreakdown, efficiency) of a run under fitted terms."""
+    if run.model not in overheads.compute:
+        raise PlanError(f"{run.label}: the calibration has no compute efficiency for model {run.model!r} "
+                        f"(it has {sorted(overheads.compute)}); fit with a run of it")
+    efficiency = overheads.compute[run.model]
+    terms, breakdown = terms_of(run, tables, _compute(compute, efficiency))
+    return terms.step(overheads.terms(run.system)), terms, breakdown, efficiency
+
+
+def validate(runs: list, tables: dict, compute: ComputeSpec, overheads: Overheads, leave_one_out: bool = False) -> list:
+    """Per run: predicted next to measured step (and, with ``leave_one_out``, the prediction of a fit made
+    without that run and its repeats: a repeat left in would predict it), the step over the no-communication
+    run, and the peak allocated memory."""
+    rows, base = [], {}
+    for r in runs:
+        step, terms, breakdown, efficiency = predict(r, tables, compute, overheads)
+        if r.mode == "nocomm":
+            base[r.config] = step
+        ov = overheads.terms(r.system)
+        rows.append({"run": r.label, "mode": r.label + (f" {r.layout}" if r.layout else ""),
+                     "setting": f"{r.nodes}x{r.gpus_per_node} GPUs, seq {r.seq_len}, micro-batch {r.micro_batch} x "
+                                f"{r.grad_accum}", "system": r.system, "plan": str(r.layout) if r.layout else None,
+                     "compute_efficiency": efficiency, "measured_step_s": r.step_s, "predicted_step_s": step,
+                     "error_pct": 100 * (step / r.step_s - 1), "measured_over_nocomm_s": r.over_nocomm_s,
+                     "measured_peak_gb": r.peak_gb,
+                     "predicted_peak_gb": r.planned_peak_gb if r.planned_peak_gb is not None else breakdown.allocated_gb,
+                     "peak_source": "plan" if r.planned_peak_gb is not None else "simulator (formula activations)",
+                     "terms": {"compute_s": terms.compute_s, "update_s": ov["update_factor"] * terms.update_s,
+                               "exposed_comm_s": terms.waits(ov)[0], "fetch_s": terms.waits(ov)[1],
+                               "fetches": terms.fetches, "fetch_bound": terms.fetch_bound(ov)}})
+    left_out = {}  # key -> the fit made without that mode's runs
+    for r, row in zip(runs, rows):
+        if r.config in base and r.mode != "nocomm":
+            row["predicted_over_nocomm_s"] = row["predicted_step_s"] - base[r.config]
+        if leave_one_out:
+            if r.key not in left_out:
+                left_out[r.key] = _fit_without(r.key, runs, tables, compute)
+            others = left_out[r.key]
+            loo = predict(r, tables, compute, others)[0] if others and r.model in others.compute else None
+            row["loo_predicted_step_s"] = loo
+            row["loo_error_pct"] = 100 * (loo / r.step_s - 1) if loo is not None else None
+    return rows
+
+
+def _fit_without(key: tuple, runs: list, tables: dict, compute: ComputeSpec) -> Optional[Overheads]:
+    """The fit made without the runs of one mode, or None where the others do not determine it."""
+    try:
+        return fit([o for o in runs if o.key != key], tables, compute)
+    except PlanError:
+        return None
+
+
+def per_mode(rows: list) -> list:
+    """One row per mode: its repeated measurements (median, range) next to the prediction. The median is what
+    a prediction is held to; the range is how far the same command moved between leases."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["mode"], r["setting"]), []).append(r)
+    out = []
+    for (mode, setting), g in groups.items():
+        measured = [r["measured_step_s"] for r in g]
+        median = float(np.median(measured))
+        loo = [r["loo_predicted_step_s"] for r in g if r.get("loo_predicted_step_s") is not None]
+        out.append({"mode": mode, "setting": setting, "runs": len(g), "measured_median_s": median, "measured_min_s": min(measured),
+                    "measured_max_s": max(measured), "predicted_step_s": g[0]["predicted_step_s"],
+                    "error_pct": 100 * (g[0]["predicted_step_s"] / median - 1),
+                    "loo_error_pct": 100 * (loo[0] / median - 1) if loo else None})
+    return out
+
+
+def per_mode_text(modes: list) -> str:
+    out = [f"{'mode':<46}{'runs':>5}{'median s':>10}{'range s':>15}{'spread':>8}{'predicted':>10}{'error':>8}"
+           f"{'loo err':>9}"]
+    for m in modes:
+        spread = 100 * (m["measured_max_s"] / m["measured_min_s"] - 1)
+        loo = f"{m['loo_error_pct']:+.1f}%" if m["loo_error_pct"] is not None else "-"
+        out.append(f"{m['mode']:<46}{m['runs']:>5}{m['measured_median_s']:>10.3f}"
+                   f"{m['measured_min_s']:>7.3f}-{m['measured_max_s']:<7.3f}{spread:>7.0f}%"
+                   f"{m['predicted_step_s']:>10.3f}{m['error_pct']:>+7.1f}%{loo:>9}")
+    within = sum(abs(m["error_pct"]) <= 10 for m in modes)
+    out.append(f"predicted within 10 % of the median: {within} of {len(modes)} modes")
+    return "\n".join(out)
+
+
+def table_text(rows: list) -> str:
+    fmt = lambda v, f, suffix="": format(v, f) + suffix if v is not None else "-"  # noqa: E731
+    out = [f"{'run':<27}{'plan':<22}{'eff':>6}{'measured s':>11}{'predicted':>10}{'error':>8}{'loo err':>9}"
+           f"{'over 1-GPU meas':>16}{'pred':>7}{'peak GiB meas':>14}{'pred':>7}"]
+    for r in rows:
+        out.append(f"{r['run']:<27}{(r['plan'] or ''):<22}{r['compute_efficiency']:>6.3f}{r['measured_step_s']:>11.3f}"
+                   f"{r['predicted_step_s']:>10.3f}{r['error_pct']:>+7.1f}%{fmt(r.get('loo_error_pct'), '+.1f', '%'):>9}"
+                   f"{fmt(r['measured_over_nocomm_s'], '.3f'):>16}{fmt(r.get('predicted_over_nocomm_s'), '.3f'):>7}"
+                   f"{fmt(r['measured_peak_gb'], '.1f'):>14}{r['predicted_peak_gb']:>7.1f}")
+    return "\n".join(out)
+
+
+def terms_text(overheads: Overheads) -> str:
+    out = ["compute efficiency: " + ", ".join(f"{m} {e:.3f}" for m, e in sorted(overheads.compute.items())),
+           f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}"]
+    defaulted = False
+    for s, fitted in overheads.systems.items():
+        t = overheads.terms(s)
+        own = ("comm_factor", "update_factor") + (("per_fetch_s",) if s in FETCH_SYSTEMS else ())
+        mark = {k: "*" if k in own and k not in fitted else " " for k in t}
+        defaulted |= "*" in mark.values()
+        out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['update_factor']:>13.3f}"
+                   f"{mark['update_factor']}{1e3 * t['per_fetch_s']:>12.3f}{mark['per_fetch_s']}")
+    if defaulted:
+        out.append("* not determined by these runs (the system has none, or all on the other branch): the default")
+    return "\n".join(out)
+
+
+def write_calibrated_profile(profile_path: str, out: str, overheads: Overheads, rows: list) -> None:
+    """The measured profile with the fitted terms in its meta (``meta["simulator"]``), stored with the profile
+    they were fitted against, where ``lins-ds simulate --profile`` finds them."""
+    try:
+        with open(profile_path, encoding="utf-8") as f:
+            obj = json.load(f)
+        obj["meta"]["simulator"] = {"overheads": overheads.to_json(), "fit": rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PlanError(f"{profile_path}: not a profile table ({e})") from None
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+
+
+def stored(table: ProfileTable, path: str) -> Optional[Overheads]:
+    """The terms ``write_calibrated_profile`` stored with a profile, or None."""
+    sim = table.meta.get("simulator")
+    if sim is None:
+        return None
+    try:
+        return Overheads.from_json(sim["overheads"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PlanError(f"{path}: meta.simulator is not what 'lins-ds simulate --fit' writes ({e})") from None

@@ -1,0 +1,200 @@
+"""The simulator's fitted terms (tools/calibrate.py, lins-ds simulate --fit / --validate / --calibration): pure
+Python on synthetic bench results whose steps come from known terms."""
+
+import json
+
+import numpy as np
+import pytest
+
+from lins_ds.cli import main
+from lins_ds.plan import Factor, Layout, PlanError, Topology, candidates, get_cluster
+from lins_ds.plan.cost import required_meshes
+from lins_ds.tools import calibrate as C
+from lins_ds.tools.simulate import Overheads
+
+TRUE = Overheads({"zero0": {"comm_factor": 1.2, "update_factor": 3.0},
+                  "zero1": {"comm_factor": 1.1, "update_factor": 3.0},
+                  "zero2": {"comm_factor": 1.4, "update_factor": 3.0},
+                  "zero3": {"comm_factor": 0.9, "update_factor": 3.0, "per_fetch_s": 7e-4},
+                  "mics": {"comm_factor": 0.8, "update_factor": 3.0, "per_fetch_s": 7e-4},
+                  "lins": {"comm_factor": 1.15, "update_factor": 3.0}},
+                 {"llama-1b": 0.3, "llama-7b": 0.45}, "synthetic")
+CLUSTER = get_cluster("h200-emulated")
+TOPOLOGIES = {"host": Topology(1, 2), "emulated": Topology(2, 1)}
+
+
+def _tables():
+    return {name: CLUSTER.table(required_meshes(topo, candidates(topo))) for name, topo in TOPOLOGIES.items()}
+
+
+def _bench(path, model, steps=None):
+    """A lins-ds bench result for ``model``; steps from TRUE unless given."""
+    rows = {}
+    for name, topo in TOPOLOGIES.items():
+        for mode in ("zero0", "zero1", "zero2", "zero3", "mics", "lins"):
+            lay = Layout(Factor(1, 1), Factor(1, 1), Factor(topo.gpus_per_node, topo.nodes))
+            rows.setdefault(name, []).append({"mode": mode, "model": model, "world_size": 2, "seq_len": 2048,
+                                              "gpus_per_node": topo.gpus_per_node, "median_step_s": 1.0,
+                                              "samples_per_gpu_per_step": 4, "peak_memory_gb": 20.0,
+                                              "plan": lay.to_json() if mode == "lins" else None})
+    nocomm = {"mode": "nocomm", "model": model, "seq_len": 2048, "median_step_s": 1.0, "peak_memory_gb": 20.0}
+    bench = {"command": "lins-ds bench", "micro_batch_size": 2, "grad_accum": 2, "no_comm_limit": nocomm,
+             "table": {t: {"rows": r} for t, r in rows.items()}}
+    path.write_text(json.dumps(bench))
+    runs = C.load_runs(str(path))
+    steps = steps or [C.predict(r, _tables(), CLUSTER.compute(), TRUE)[0] for r in runs]
+    for r, s in zip([x for t in rows.values() for x in t] + [nocomm], steps):
+        r["median_step_s"] = s
+    path.write_text(json.dumps(bench))
+    return str(path)
+
+
+@pytest.fixture
+def benches(tmp_path):
+    return [_bench(tmp_path / "b1.json", "1b"), _bench(tmp_path / "b7.json", "7b")]
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    rng = np.random.default_rng(0)
+    a = rng.random((30, 5)) * np.array([1, 1000, 1, 1e-3, 1])  # columns of very different scale
+    x = np.array([2.0, 0.0, 0.5, 300.0, 1.0])
+    assert C.nnls(a, a @ x) == pytest.approx(x, rel=1e-6, abs=1e-9)
+    b = a @ np.array([1.0, -0.01, 1.0, 0.0, 1.0])  # the unconstrained answer has a negative coefficient
+    got = C.nnls(a, b)
+    assert got.min() >= 0 and got[1] == 0
+    assert np.linalg.norm(a @ got - b) <= np.linalg.norm(a @ np.clip(np.linalg.lstsq(a, b, rcond=None)[0], 0, None) - b)
+
+
+def test_fit_recovers_the_terms_that_made_the_runs(benches):
+    runs = [r for b in benches for r in C.load_runs(b)]
+    assert {r.system for r in runs} == {"zero0", "zero1", "zero2", "zero3", "mics", "lins"}
+    assert [r for r in runs if r.mode == "nocomm"][0].over_nocomm_s is None
+    got = C.fit(runs, _tables(), CLUSTER.compute())
+    for model, eff in TRUE.compute.items():
+        assert got.compute[model] == pytest.approx(eff, rel=1e-3)
+    for system in TRUE.systems:
+        for term, value in TRUE.terms(system).items():
+            assert got.terms(system)[term] == pytest.approx(value, rel=1e-3, abs=1e-9), (system, term)
+    rows = C.validate(runs, _tables(), CLUSTER.compute(), got, leave_one_out=True)
+    assert max(abs(r["error_pct"]) for r in rows) < 0.1
+    assert {r["run"] for r in rows if r["terms"]["fetch_bound"]} == {  # on the fast link the fetches set the pace
+        "llama-1b host zero3", "llama-1b host mics", "llama-1b emulated mics", "llama-7b host zero3",
+        "llama-7b host mics"}
+    # exact data: a mode left out is still predicted by the others, but for the one link-bound MiCS run, the
+    # only run that determines MiCS's link factor
+    loo = {r["run"]: abs(r["loo_error_pct"]) for r in rows}
+    assert loo.pop("llama-7b emulated mics") > 5
+    assert max(loo.values()) < 1
+    lins = [r for r in rows if r["system"] == "lins"][0]
+    assert lins["predicted_peak_gb"] > 0 and lins["plan"] == "P=1x1 G=1x1 OS=2x1"
+
+
+def test_a_noisy_run_shows_in_its_error_and_leave_one_out(tmp_path):
+    tables, compute = _tables(), CLUSTER.compute()
+    path = _bench(tmp_path / "b1.json", "1b")
+    bench = json.loads(open(path).read())
+    bench["table"]["emulated"]["rows"][1]["median_step_s"] *= 1.5  # emulated ZeRO-1 measured 50 % slow
+    open(path, "w").write(json.dumps(bench))
+    runs = C.load_runs(path) + C.load_runs(_bench(tmp_path / "b7.json", "7b"))
+    rows = C.validate(runs, tables, compute, C.fit(runs, tables, compute), leave_one_out=True)
+    noisy = [r for r in rows if r["run"] == "llama-1b emulated zero1"][0]
+    assert noisy["error_pct"] < -5 and noisy["loo_error_pct"] < noisy["error_pct"]
+
+
+def test_repeated_runs_are_held_to_their_median(tmp_path):
+    """The same mode measured in three leases: one row with its median and range."""
+    first = _bench(tmp_path / "a.json", "1b")
+    exact = [r.step_s for r in C.load_runs(first)]
+    repeats = [_bench(tmp_path / f"{n}.json", "1b", steps=[f * s for s in exact]) for n, f in (("b", 1.5), ("c", 1.1))]
+    runs = [r for b in (first, *repeats) for r in C.load_runs(b)]
+    modes = {m["mode"]: m for m in C.per_mode(C.validate(runs, _tables(), CLUSTER.compute(), TRUE))}
+    assert len(modes) == 13 and "llama-1b emulated lins P=1x1 G=1x1 OS=1x2" in modes
+    zero1 = modes["llama-1b host zero1"]
+    assert zero1["runs"] == 3 and zero1["measured_median_s"] == pytest.approx(1.1 * zero1["measured_min_s"])
+    assert zero1["measured_max_s"] == pytest.approx(1.5 * zero1["measured_min_s"])
+    assert zero1["error_pct"] == pytest.approx(100 * (1 / 1.1 - 1))
+    assert "predicted within 10 % of the median: 13 of 13 modes" in C.per_mode_text(list(modes.values()))
+
+
+def test_shared_terms_reach_systems_without_runs_and_a_mode_left_out_may_be_undetermined(tmp_path):
+    runs = [r for r in C.load_runs(_bench(tmp_path / "b1.json", "1b")) if r.system != "mics"]
+    runs.append([r for r in C.load_runs(_bench(tmp_path / "b7.json", "7b")) if r.label == "llama-7b host zero1"][0])
+    got = C.fit(runs, _tables(), CLUSTER.compute())
+    for term in ("update_factor", "per_fetch_s"):  # shared: fitted from the ZeRO-3 runs, so MiCS has them too
+        assert got.terms("mics")[term] == pytest.approx(TRUE.terms("mics")[term], rel=1e-3)
+    assert "comm_factor" not in got.systems["mics"] and got.terms("zeropp")["per_fetch_s"] > 0
+    rows = C.validate(runs, _tables(), CLUSTER.compute(), got, leave_one_out=True)
+    only_7b = [r for r in rows if r["run"] == "llama-7b host zero1"][0]
+    assert only_7b["loo_predicted_step_s"] is None  # without it nothing determines 7B's efficiency
+    assert abs(only_7b["error_pct"]) < 0.1
+
+
+def test_bench_result_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bench.json"
+    bad.write_text(json.dumps({"table": {"host": {"rows": [{"mode": "zero1"}]}}}))
+    with pytest.raises(PlanError, match="bench.json: not a lins-ds bench result"):
+        C.load_runs(str(bad))
+    bench = json.loads(open(_bench(tmp_path / "b.json", "1b")).read())
+    bench["grad_accum"] = 4  # rows say 4 samples per GPU per step: 2 x 4 does not match
+    bad.write_text(json.dumps(bench))
+    with pytest.raises(PlanError, match="samples per GPU per step, not micro-batch 2 x grad-accum 4"):
+        C.load_runs(str(bad))
+
+
+def _profiles(tmp_path):
+    out = {}
+    for name, table in _tables().items():
+        out[name] = tmp_path / f"profile_{name}.json"
+        out[name].write_text(json.dumps(table.to_json()))
+    return out
+
+
+def _fails(capsys, args, message):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_fit_validate_and_calibration(tmp_path, benches, capsys):
+    prof = _profiles(tmp_path)
+    out = tmp_path / "calibrated.json"
+    fit_args = ["simulate", "--fit", *benches, "--profile", str(prof["host"]), "--emulated-profile",
+                str(prof["emulated"])]
+    _fails(capsys, fit_args, "--out: required with --fit")
+    assert main([*fit_args, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted: 26 of 26 runs within 10 %" in text
+    assert "leave-one-out (the mode's runs left out): 25 of 26" in text  # the link-bound MiCS run, as above
+    assert "predicted within 10 % of the median: 26 of 26 modes" in text
+    stored = json.loads(out.read_text())["meta"]["simulator"]
+    assert stored["overheads"]["compute_efficiency"]["llama-7b"] == pytest.approx(0.45, rel=1e-3)
+    assert len(stored["fit"]) == 26
+
+    assert main(["simulate", "--validate", benches[0], "--profile", str(out), "--emulated-profile",
+                 str(prof["emulated"]), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["runs"]
+    assert len(rows) == 13 and max(abs(r["error_pct"]) for r in rows) < 0.1
+    _fails(capsys, ["simulate", "--validate", benches[0], "--profile", str(out)],
+           "llama-1b emulated zero0: no profile for the emulated topology (--profile / --emulated-profile)")
+    _fails(capsys, ["simulate", "--validate", benches[0], "--profile", str(prof["host"])],
+           f"--profile {prof['host']}: holds no fitted terms")
+
+    paper = ["simulate", "--model", "llama-7b", "--nodes", "16", "--cluster", "a800-ib", "--gpus-per-node", "8",
+             "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-tokens", "4194304", "--format", "json"]
+    assert main(paper) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*paper, "--calibration", str(out)]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert "per-system terms fitted to GPU runs" in fitted["calibration"]
+    assert fitted["systems"]["zero1"]["step_s"] > plain["systems"]["zero1"]["step_s"]  # update x3, link x1.1
+    _fails(capsys, [*paper, "--calibration", str(prof["host"])], f"--calibration {prof['host']}: holds no fitted terms")
+
+    # the fitted terms with the host's own table: the fit's compute model (h200-emulated), not a800-ib's
+    host = ["simulate", "--profile", str(out), "--nodes", "1", "--gpus-per-node", "2", "--model", "llama-1b",
+            "--seq-len", "2048", "--micro-batch-size", "2", "--global-batch-tokens", "16384", "--gpu-memory-gb", "139",
+            "--systems", "zero1", "--format", "json"]
+    assert main(host) == 0
+    sim = json.loads(capsys.readouterr().out)["systems"]["zero1"]["step_s"]
+    measured = [r for r in stored["fit"] if r["run"] == "llama-1b host zero1"][0]["measured_step_s"]
+    assert sim == pytest.approx(measured, rel=1e-3)
+    _fails(capsys, [*host, "--cluster", "a800-ib"], "--cluster a800-ib: the fitted efficiency of llama-1b")
+    _fails(capsys, ["simulate", "--model", "llama-7b"], "--gpus-per-node: required to simulate")
