@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from . import cost
@@ -47,6 +47,10 @@ class ComputeSpec:
     @property
     def flops_per_s(self) -> float:
         return self.peak_tflops * 1e12 * self.achievable_mfu
+
+    def at(self, efficiency: float) -> "ComputeSpec":
+        """The same GPU at another achievable fraction of its peak."""
+        return replace(self, achievable_mfu=efficiency)
 
 
 def optimizer_seconds(model: ModelSpec, train: TrainingSpec, s_os: int, compute: ComputeSpec) -> float:

@@ -162,16 +162,12 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x / norms
 
 
-def _compute(compute: ComputeSpec, efficiency: float) -> ComputeSpec:
-    return ComputeSpec(compute.peak_tflops, efficiency, compute.memory_bandwidth_gbs)
-
-
 def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds: int = 30, cluster: str = "") -> Overheads:
     """Every system's terms and every model's compute efficiency, fitted from ``runs`` (module docstring)."""
     eff = {r.model: compute.achievable_mfu for r in runs}
     bound = [None] * len(runs)
     for _ in range(rounds):
-        terms = [terms_of(r, tables, _compute(compute, eff[r.model]))[0] for r in runs]
+        terms = [terms_of(r, tables, compute.at(eff[r.model]))[0] for r in runs]
         cols = [_columns(r, t, eff[r.model], b) for r, t, b in zip(runs, terms, bound)]
         names = sorted({n for c in cols for n, v in c.items() if v > 0})
         a = np.array([[c.get(n, 0.0) / r.step_s for n in names] for r, c in zip(runs, cols)])
@@ -209,7 +205,7 @@ def predict(run: Run, tables: dict, compute: ComputeSpec, overheads: Overheads) 
         raise PlanError(f"{run.label}: the calibration has no compute efficiency for model {run.model!r} "
                         f"(it has {sorted(overheads.compute)}); fit with a run of it")
     efficiency = overheads.compute[run.model]
-    terms, breakdown = terms_of(run, tables, _compute(compute, efficiency))
+    terms, breakdown = terms_of(run, tables, compute.at(efficiency))
     return terms.step(overheads.terms(run.system)), terms, breakdown, efficiency
 
 

@@ -262,7 +262,6 @@ def calibrate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: Memory
     lo, hi = 0.05, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        c = ComputeSpec(compute.peak_tflops, mid, compute.memory_bandwidth_gbs)
-        got = simulate(model, topo, train, mem, table, c, (system,), overheads)[system].mfu
+        got = simulate(model, topo, train, mem, table, compute.at(mid), (system,), overheads)[system].mfu
         lo, hi = (mid, hi) if got < target_mfu else (lo, mid)
-    return ComputeSpec(compute.peak_tflops, (lo + hi) / 2, compute.memory_bandwidth_gbs)
+    return compute.at((lo + hi) / 2)

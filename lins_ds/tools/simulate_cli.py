@@ -54,10 +54,10 @@ def run(args) -> int:
         return cluster.table(cost.required_meshes(topo, P.candidates(topo)))
 
     if args.efficiency:
-        compute = P.ComputeSpec(compute.peak_tflops, args.efficiency, compute.memory_bandwidth_gbs)
+        compute = compute.at(args.efficiency)
         note = f"compute efficiency {args.efficiency:.3f} (given)"
     elif fitted_eff:
-        compute = P.ComputeSpec(compute.peak_tflops, overheads.compute[model.name], compute.memory_bandwidth_gbs)
+        compute = compute.at(overheads.compute[model.name])
         note = f"compute efficiency {compute.achievable_mfu:.3f} (fitted to GPU runs of {model.name}, {terms_from})"
     else:  # the paper, §III-A: ZeRO-1 trains LLaMA-7B at 63 % MFU on 8 GPUs (4M-token batch)
         topo8 = P.Topology(1, args.gpus_per_node)
