@@ -27,6 +27,7 @@ import torch
 
 import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine for configs with a "lins" block)
 from lins_ds.plan import load_model
+from lins_ds.profiler.host import seconds_per_module
 from lins_ds.tools.baselines import emulate_nodes, llama_config, model_init_context
 
 H200_BF16_TFLOPS = 989.0
@@ -206,10 +207,10 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
     }
 
 
-def max_over_ranks(x: float) -> float:
+def max_over_ranks(x: float, cuda: bool = True) -> float:
     from deepspeed import comm as dist
 
-    t = torch.tensor([x], dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device()))
+    t = torch.tensor([x], dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -233,8 +234,12 @@ def main(argv=None) -> dict:
     device = setup_device()
     engine, model, startup_s = build_engine(args, ds_config, device)
     startup = startup_memory(startup_s, device.type == "cuda")
+    host = [seconds_per_module(device)]  # the host's speed before and after training (lins_ds.profiler.host)
     losses, times, phases = train(args, engine, model, device)
+    host.append(seconds_per_module(device))
     summary = summarize(args, engine, losses, times, phases, startup, device.type == "cuda")
+    summary["host_s_per_module"] = max_over_ranks(statistics.mean(host), device.type == "cuda")  # the slowest rank's
+    summary["host_s_per_module_before_after"] = host
     if dist.get_rank() == 0 and args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

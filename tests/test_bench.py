@@ -21,6 +21,7 @@ def test_bench_runs_baselines_and_lins_plans_side_by_side(tmp_path):
     assert set(rows) == {"zero1", "lins", "lins_as_zero2"} and table["best_deepspeed"] == "zero1"
     assert rows["lins_as_zero2"]["plan"]["g"] == {"intra": 2, "inter": 1}  # "all" on one host of 2
     assert all(row["tokens_per_gpu_s"] > 0 and row["vs_best_deepspeed"] > 0 for row in rows.values())
+    assert all(0 < row["host_s_per_module"] < 0.1 for row in rows.values())  # the host measured in every run
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 

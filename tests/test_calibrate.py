@@ -2,6 +2,7 @@
 Python on synthetic bench results whose steps come from known terms."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -27,8 +28,9 @@ def _tables():
     return {name: CLUSTER.table(required_meshes(topo, candidates(topo))) for name, topo in TOPOLOGIES.items()}
 
 
-def _bench(path, model, steps=None):
-    """A lins-ds bench result for ``model``; steps from TRUE unless given."""
+def _bench(path, model, steps=None, host=None, truth=TRUE):
+    """A lins-ds bench result for ``model``, its runs on a host measured at ``host`` s per module (None: not
+    measured); steps from ``truth`` unless given."""
     rows = {}
     for name, topo in TOPOLOGIES.items():
         for mode in ("zero0", "zero1", "zero2", "zero3", "mics", "lins"):
@@ -36,13 +38,14 @@ def _bench(path, model, steps=None):
             rows.setdefault(name, []).append({"mode": mode, "model": model, "world_size": 2, "seq_len": 2048,
                                               "gpus_per_node": topo.gpus_per_node, "median_step_s": 1.0,
                                               "samples_per_gpu_per_step": 4, "peak_memory_gb": 20.0,
-                                              "plan": lay.to_json() if mode == "lins" else None})
+                                              "plan": lay.to_json() if mode == "lins" else None,
+                                              "host_s_per_module": host})
     nocomm = {"mode": "nocomm", "model": model, "seq_len": 2048, "median_step_s": 1.0, "peak_memory_gb": 20.0}
     bench = {"command": "lins-ds bench", "micro_batch_size": 2, "grad_accum": 2, "no_comm_limit": nocomm,
              "table": {t: {"rows": r} for t, r in rows.items()}}
     path.write_text(json.dumps(bench))
     runs = C.load_runs(str(path))
-    steps = steps or [C.predict(r, _tables(), CLUSTER.compute(), TRUE)[0] for r in runs]
+    steps = steps or [C.predict(r, _tables(), CLUSTER.compute(), truth)[0] for r in runs]
     for r, s in zip([x for t in rows.values() for x in t] + [nocomm], steps):
         r["median_step_s"] = s
     path.write_text(json.dumps(bench))
@@ -127,6 +130,33 @@ def test_shared_terms_reach_systems_without_runs_and_a_mode_left_out_may_be_unde
     only_7b = [r for r in rows if r["run"] == "llama-7b host zero1"][0]
     assert only_7b["loo_predicted_step_s"] is None  # without it nothing determines 7B's efficiency
     assert abs(only_7b["error_pct"]) < 0.1
+
+
+def test_fetch_cost_follows_each_runs_measured_host(tmp_path):
+    """The same runs on hosts measured 1x, 1.5x and 0.8x the reference's time per module: the fit finds the
+    reference host and the per-fetch cost there; a ZeRO-3 run on a slow host is predicted slower, the others not."""
+    truth = Overheads(TRUE.systems, TRUE.compute, "synthetic", host_s_per_module=50e-6)
+    benches = [_bench(tmp_path / f"{model}_{n}.json", model, host=host, truth=truth)
+               for model in ("1b", "7b") for n, host in enumerate((50e-6, 75e-6, 40e-6))]
+    runs = [r for b in benches for r in C.load_runs(b)]
+    tables, compute = _tables(), CLUSTER.compute()
+    got = C.fit(runs, tables, compute)
+    assert got.host_s_per_module == pytest.approx(50e-6)  # the median measured host
+    assert got.terms("zero3")["per_fetch_s"] == pytest.approx(7e-4, rel=1e-3)
+    rows = C.validate(runs, tables, compute, got)
+    assert max(abs(r["error_pct"]) for r in rows) < 0.1
+    step = {(r["run"], r["host_s_per_module"]): r["predicted_step_s"] for r in rows}
+    fetch_bound = step[("llama-1b host zero3", 75e-6)] - step[("llama-1b host zero3", 50e-6)]
+    assert fetch_bound == pytest.approx(0.5 * [r for r in rows if r["run"] == "llama-1b host zero3"][0]["terms"]
+                                        ["fetch_s"], rel=1e-3)
+    assert step[("llama-1b host zero1", 75e-6)] == step[("llama-1b host zero1", 50e-6)]
+    # the same runs with their hosts unrecorded: one fetch cost cannot hold them
+    blind = [replace(r, host_s=None) for r in runs]
+    blind_rows = C.validate(blind, tables, compute, C.fit(blind, tables, compute))
+    assert max(abs(r["error_pct"]) for r in blind_rows if r["system"] == "zero3") > 10
+    # and the simulator prices a profile's host the same way
+    stored = Overheads.from_json(json.loads(json.dumps(got.to_json())))
+    assert stored.host_scale(75e-6) == pytest.approx(1.5) and stored.host_scale(None) == 1.0
 
 
 def test_bench_result_errors_name_the_file(tmp_path):

@@ -42,6 +42,7 @@ def test_tables_are_complete_and_cached(tmp_path):
     for m in first["measurements"]:
         assert m["bytes"][0] <= 64 * 2**10 and m["bytes"][-1] >= MAX and len(m["spread"]) == len(m["bytes"])
     assert "measuring now" in logs[0] and logs[-1] == "lins profile: cache hit" and second == first
+    assert 0 < first["meta"]["host_s_per_module"] < 0.1  # the host's speed, for the simulator's fetch cost
 
 
 def _truncate(path):

@@ -74,3 +74,24 @@ def test_profile_times_collectives_and_cluster_gives_compute(capsys):
     for system in ("zero0", "lins"):  # same collectives, faster compute on the H200's peak
         a, h = runs["a800-ib"][system], runs["h200-emulated"][system]
         assert h["step_s"] < a["step_s"] and h["mfu"] == pytest.approx(a["mfu"] * a["step_s"] * 312 / (h["step_s"] * 989))
+
+
+def test_a_profiles_measured_host_scales_the_fetch_cost_only():
+    """A profile whose host drives modules 2x slower than the calibration's: DeepSpeed ZeRO-3's fetches cost
+    twice as much there (host time), ZeRO-1 has none and is unchanged."""
+    from dataclasses import replace
+
+    from lins_ds.tools.simulate import Overheads
+
+    cluster, topo = get_cluster("h200-emulated"), Topology(1, 2)
+    model = BUILTIN_MODELS["llama-1b"]
+    train, mem = sim_train(model, topo, 2048, 2, 16384), MemorySpec(139)
+    table = cluster.table(required_meshes(topo, candidates(topo)))
+    ov = Overheads({"zero3": {"per_fetch_s": 1e-3}}, host_s_per_module=40e-6)
+    same = simulate(model, topo, train, mem, table, cluster.compute(), ("zero1", "zero3"), ov)
+    slow_table = replace(table, meta={**table.meta, "host_s_per_module": 80e-6})
+    slow = simulate(model, topo, train, mem, slow_table, cluster.compute(), ("zero1", "zero3"), ov)
+    fetch_s = 1e-3 * 2 * 2 * (model.num_layers * 7 + 2)  # grad-accum 2, forward and backward
+    assert same["zero3"].step_s == pytest.approx(same["zero3"].compute_s + same["zero3"].update_s + fetch_s)
+    assert slow["zero3"].step_s - same["zero3"].step_s == pytest.approx(fetch_s)
+    assert slow["zero1"].step_s == same["zero1"].step_s

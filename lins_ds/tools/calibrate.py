@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -60,6 +60,7 @@ class Run:
     planned_peak_gb: Optional[float]  # Lins: what its plan predicted at start-up (measured activations)
     over_nocomm_s: Optional[float]  # step minus the no-communication run's, where the bench ran one
     layout: Optional[Layout]  # Lins' plan
+    host_s: Optional[float] = None  # the host's time per module during the run (profiler.host); older results: None
 
     @property
     def label(self) -> str:
@@ -105,14 +106,15 @@ def load_runs(path: str) -> list:
                             per_node, int(r["seq_len"]), mb, gas, step, r.get("peak_memory_gb"),
                             (plan or {}).get("predicted_peak_gb"),
                             step - nocomm["median_step_s"] if nocomm and r["mode"] != "nocomm" else None,
-                            Layout.from_json(plan) if plan else None))
+                            Layout.from_json(plan) if plan else None, r.get("host_s_per_module")))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanError) as e:
         raise PlanError(f"{path}: not a lins-ds bench result ({e})") from None
     return runs
 
 
-def terms_of(run: Run, tables: dict, compute: ComputeSpec) -> tuple:
-    """(StepTerms, MemoryBreakdown) of a run, with its topology's measured table (``tables[run.topology]``)."""
+def terms_of(run: Run, tables: dict, compute: ComputeSpec, host_scale: float = 1.0) -> tuple:
+    """(StepTerms, MemoryBreakdown) of a run, with its topology's measured table (``tables[run.topology]``), its
+    fetches priced at ``host_scale`` times the calibration host's time."""
     model = load_model(run.model)
     topo = Topology(run.nodes, run.gpus_per_node)
     train = TrainingSpec(run.seq_len, run.micro_batch, run.grad_accum)
@@ -123,7 +125,7 @@ def terms_of(run: Run, tables: dict, compute: ComputeSpec) -> tuple:
                          overlap_param_sync=True)
     if found is None:
         raise PlanError(f"{run.label}: no plan")
-    return found[0], found[3]
+    return replace(found[0], host_scale=host_scale), found[3]
 
 
 def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool]) -> dict:
@@ -134,7 +136,7 @@ def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool
     if not terms.fetches or bound is not True:
         cols[f"comm:{run.system}"] = terms.exposed_s
     if terms.fetches and bound is not False:
-        cols["fetch"] = float(terms.fetches)
+        cols["fetch"] = terms.fetches * terms.host_scale
     return cols
 
 
@@ -165,9 +167,11 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds: int = 30, cluster: str = "") -> Overheads:
     """Every system's terms and every model's compute efficiency, fitted from ``runs`` (module docstring)."""
     eff = {r.model: compute.achievable_mfu for r in runs}
+    measured = [r.host_s for r in runs if r.host_s]
+    host = Overheads({}, host_s_per_module=float(np.median(measured)) if measured else None)  # the reference host
     bound = [None] * len(runs)
     for _ in range(rounds):
-        terms = [terms_of(r, tables, compute.at(eff[r.model]))[0] for r in runs]
+        terms = [terms_of(r, tables, compute.at(eff[r.model]), host.host_scale(r.host_s))[0] for r in runs]
         cols = [_columns(r, t, eff[r.model], b) for r, t, b in zip(runs, terms, bound)]
         names = sorted({n for c in cols for n, v in c.items() if v > 0})
         a = np.array([[c.get(n, 0.0) / r.step_s for n in names] for r, c in zip(runs, cols)])
@@ -176,7 +180,7 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
         if missing:
             raise PlanError(f"{missing}: the runs do not determine this model's compute efficiency")
         new = {m: 1.0 / coef[f"compute:{m}"] for m in eff}
-        ov = _overheads(coef, new, source, cluster)
+        ov = _overheads(coef, new, source, cluster, host.host_s_per_module)
         new_bound = [t.fetch_bound(ov.terms(r.system)) if t.fetches else None for r, t in zip(runs, terms)]
         settled = max(abs(new[m] - eff[m]) for m in eff) < 1e-4 and new_bound == bound
         eff, bound = new, new_bound
@@ -188,7 +192,7 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
     return ov
 
 
-def _overheads(coef: dict, efficiency: dict, source: str, cluster: str) -> Overheads:
+def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: Optional[float]) -> Overheads:
     """Per-system terms from the fitted coefficients, for every system (the shared ones apply to a system with no
     run too); a term no run determined keeps its default."""
     out = {}
@@ -196,7 +200,7 @@ def _overheads(coef: dict, efficiency: dict, source: str, cluster: str) -> Overh
         terms = {"comm_factor": coef.get(f"comm:{s}"), "update_factor": coef.get("update"),
                  "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None}
         out[s] = {t: float(v) for t, v in terms.items() if v is not None}
-    return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster)
+    return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster, host_s)
 
 
 def predict(run: Run, tables: dict, compute: ComputeSpec, overheads: Overheads) -> tuple:
@@ -205,7 +209,7 @@ def predict(run: Run, tables: dict, compute: ComputeSpec, overheads: Overheads) 
         raise PlanError(f"{run.label}: the calibration has no compute efficiency for model {run.model!r} "
                         f"(it has {sorted(overheads.compute)}); fit with a run of it")
     efficiency = overheads.compute[run.model]
-    terms, breakdown = terms_of(run, tables, compute.at(efficiency))
+    terms, breakdown = terms_of(run, tables, compute.at(efficiency), overheads.host_scale(run.host_s))
     return terms.step(overheads.terms(run.system)), terms, breakdown, efficiency
 
 
@@ -224,6 +228,7 @@ def validate(runs: list, tables: dict, compute: ComputeSpec, overheads: Overhead
                                 f"{r.grad_accum}", "system": r.system, "plan": str(r.layout) if r.layout else None,
                      "compute_efficiency": efficiency, "measured_step_s": r.step_s, "predicted_step_s": step,
                      "error_pct": 100 * (step / r.step_s - 1), "measured_over_nocomm_s": r.over_nocomm_s,
+                     "host_s_per_module": r.host_s, "host_scale": terms.host_scale,
                      "measured_peak_gb": r.peak_gb,
                      "predicted_peak_gb": r.planned_peak_gb if r.planned_peak_gb is not None else breakdown.allocated_gb,
                      "peak_source": "plan" if r.planned_peak_gb is not None else "simulator (formula activations)",
@@ -253,8 +258,9 @@ def _fit_without(key: tuple, runs: list, tables: dict, compute: ComputeSpec) -> 
 
 
 def per_mode(rows: list) -> list:
-    """One row per mode: its repeated measurements (median, range) next to the prediction. The median is what
-    a prediction is held to; the range is how far the same command moved between leases."""
+    """One row per mode: its repeated measurements (median, range) next to the median of their predictions (runs
+    differ only in their hosts' measured speed). The median is what a prediction is held to; the range is how far
+    the same command moved between leases."""
     groups = {}
     for r in rows:
         groups.setdefault((r["mode"], r["setting"]), []).append(r)
@@ -262,11 +268,12 @@ def per_mode(rows: list) -> list:
     for (mode, setting), g in groups.items():
         measured = [r["measured_step_s"] for r in g]
         median = float(np.median(measured))
+        predicted = float(np.median([r["predicted_step_s"] for r in g]))  # one value unless the hosts were measured
         loo = [r["loo_predicted_step_s"] for r in g if r.get("loo_predicted_step_s") is not None]
         out.append({"mode": mode, "setting": setting, "runs": len(g), "measured_median_s": median, "measured_min_s": min(measured),
-                    "measured_max_s": max(measured), "predicted_step_s": g[0]["predicted_step_s"],
-                    "error_pct": 100 * (g[0]["predicted_step_s"] / median - 1),
-                    "loo_error_pct": 100 * (loo[0] / median - 1) if loo else None})
+                    "measured_max_s": max(measured), "predicted_step_s": predicted,
+                    "error_pct": 100 * (predicted / median - 1),
+                    "loo_error_pct": 100 * (float(np.median(loo)) / median - 1) if loo else None})
     return out
 
 
@@ -286,10 +293,12 @@ def per_mode_text(modes: list) -> str:
 
 def table_text(rows: list) -> str:
     fmt = lambda v, f, suffix="": format(v, f) + suffix if v is not None else "-"  # noqa: E731
-    out = [f"{'run':<27}{'plan':<22}{'eff':>6}{'measured s':>11}{'predicted':>10}{'error':>8}{'loo err':>9}"
-           f"{'over 1-GPU meas':>16}{'pred':>7}{'peak GiB meas':>14}{'pred':>7}"]
+    out = [f"{'run':<27}{'plan':<22}{'eff':>6}{'host us':>8}{'measured s':>11}{'predicted':>10}{'error':>8}"
+           f"{'loo err':>9}{'over 1-GPU meas':>16}{'pred':>7}{'peak GiB meas':>14}{'pred':>7}"]
     for r in rows:
-        out.append(f"{r['run']:<27}{(r['plan'] or ''):<22}{r['compute_efficiency']:>6.3f}{r['measured_step_s']:>11.3f}"
+        host = r.get("host_s_per_module")
+        out.append(f"{r['run']:<27}{(r['plan'] or ''):<22}{r['compute_efficiency']:>6.3f}"
+                   f"{fmt(host and 1e6 * host, '.1f'):>8}{r['measured_step_s']:>11.3f}"
                    f"{r['predicted_step_s']:>10.3f}{r['error_pct']:>+7.1f}%{fmt(r.get('loo_error_pct'), '+.1f', '%'):>9}"
                    f"{fmt(r['measured_over_nocomm_s'], '.3f'):>16}{fmt(r.get('predicted_over_nocomm_s'), '.3f'):>7}"
                    f"{fmt(r['measured_peak_gb'], '.1f'):>14}{r['predicted_peak_gb']:>7.1f}")
@@ -297,7 +306,10 @@ def table_text(rows: list) -> str:
 
 
 def terms_text(overheads: Overheads) -> str:
+    host = overheads.host_s_per_module
     out = ["compute efficiency: " + ", ".join(f"{m} {e:.3f}" for m, e in sorted(overheads.compute.items())),
+           "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (lins_ds.profiler.host; scaled by each "
+                                             "run's own)" if host else "unmeasured speed (no run measured its host)"),
            f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}"]
     defaulted = False
     for s, fitted in overheads.systems.items():

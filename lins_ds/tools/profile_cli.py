@@ -61,6 +61,8 @@ def _measure(args, topo: Topology, device) -> tuple:
         out = args.out or cache.cache_path(key)
         cache.save(out, table)
         print(summary(table))
+        print(f"host: {1e6 * table.meta['host_s_per_module']:.1f} us per module pass (lins_ds.profiler.host; "
+              f"lins-ds simulate scales DeepSpeed's per-fetch cost by it)")
         print(f"measured {total} points over {len(meshes)} meshes in {elapsed:.1f} s; wrote {out}")
     return table, elapsed
 

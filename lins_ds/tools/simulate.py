@@ -37,7 +37,7 @@ efficiency is calibrated from one stated point.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from ..plan import cost
@@ -130,19 +130,28 @@ class Overheads:
     compute: dict = field(default_factory=dict)  # model name -> achievable fraction of peak
     source: str = ""
     cluster: str = ""  # the compute model (cluster name) the efficiencies are fractions of
+    host_s_per_module: Optional[float] = None  # the host speed (profiler.host) at which per_fetch_s holds
 
     def terms(self, system: str) -> dict:
         return {**DEFAULT_TERMS, **self.systems.get(system, {})}
 
+    def host_scale(self, host_s_per_module: Optional[float]) -> float:
+        """How much slower than the calibration's a host measured at ``host_s_per_module`` drives a module fetch;
+        1 where either is unknown (a cluster never measured: the calibration's host is assumed)."""
+        if not host_s_per_module or not self.host_s_per_module:
+            return 1.0
+        return host_s_per_module / self.host_s_per_module
+
     def to_json(self) -> dict:
         return {"systems": self.systems, "compute_efficiency": self.compute, "source": self.source,
-                "cluster": self.cluster}
+                "cluster": self.cluster, "host_s_per_module": self.host_s_per_module}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Overheads":
+        host = obj.get("host_s_per_module")
         return cls({k: {t: float(d[t]) for t in DEFAULT_TERMS if t in d} for k, d in obj["systems"].items()},
                    {m: float(e) for m, e in obj.get("compute_efficiency", {}).items()}, str(obj.get("source", "")),
-                   str(obj.get("cluster", "")))
+                   str(obj.get("cluster", "")), float(host) if host else None)
 
 
 DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0}
@@ -165,10 +174,12 @@ class StepTerms:
     exposed_s: float  # modelled exposed communication
     comm_s: float  # all modelled communication
     fetches: int
+    host_scale: float = 1.0  # this host's time per module over the calibration host's (Overheads.host_scale)
 
     def waits(self, ov: dict) -> tuple:
-        """(link, fetch): the exposed communication and the fetches' own cost (hooks, launches) under ``ov``."""
-        return ov["comm_factor"] * self.exposed_s, ov["per_fetch_s"] * self.fetches
+        """(link, fetch): the exposed communication and the fetches' own cost (hooks, launches: host time, so
+        scaled by the host's speed) under ``ov``."""
+        return ov["comm_factor"] * self.exposed_s, ov["per_fetch_s"] * self.fetches * self.host_scale
 
     def fetch_bound(self, ov: dict) -> bool:
         """Whether the module fetches, not the link, set the pace (see ``step``)."""
@@ -229,12 +240,16 @@ def system_terms(system: str, model: ModelSpec, topo: Topology, train: TrainingS
 
 def simulate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
              compute: ComputeSpec, systems=SYSTEMS, overheads: Overheads = NO_OVERHEADS) -> dict:
+    """Every system's step; the fetch cost at the speed of ``table``'s host where its profile measured it
+    (``meta.host_s_per_module``, ``lins-ds profile``), else the calibration host's."""
     results = {}
+    scale = overheads.host_scale(table.meta.get("host_s_per_module"))
     for system in systems:
         found = system_terms(system, model, topo, train, mem, table, compute)
         if found is None:
             continue
         terms, layout, ckpt, breakdown = found
+        terms = replace(terms, host_scale=scale)
         mem_gb, ov = breakdown.total_gb, overheads.terms(system)
         step = terms.step(ov)
         tokens_gpu_s = train.tokens_per_micro_batch * train.grad_accum / step
