@@ -31,8 +31,7 @@ import glob, json, os, sys
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
     r = json.load(open(f))
     if "host_s_per_module" in r:
-        print(f"{os.path.basename(f):24s} step {r['median_step_s']:.3f} s  host {1e6 * r['host_s_per_module']:.1f} us/module "
-              f"(before/after {[round(1e6 * x, 1) for x in r['host_s_per_module_before_after']]})")
+        print(f"{os.path.basename(f):24s} step {r['median_step_s']:.3f} s  host {1e6 * r['host_s_per_module']:.1f} us/module")
 PY
   tar czf "$OUT/sim_$size.tgz" -C "$(dirname "$dir")" "sim_$size"
 done

@@ -9,14 +9,18 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
     step = compute / efficiency[model]       compute at peak: the same for every system of a model
          + update_factor * update            the optimizer update's bytes at full memory bandwidth
          + max(comm_factor[system] * exposed,    the modelled exposed communication, per system, or
-               per_fetch * fetches)          DeepSpeed's module fetches (hooks, launches), whichever is slower:
-                                             one cost shared by the ZeRO-3 family (ZeRO-3, ZeRO++ and MiCS
-                                             run the same code); 0 fetches for the others
+               per_fetch * fetches * host    DeepSpeed's module fetches, whichever is slower: their hooks and
+               + per_fetch_byte * bytes)     launches (host time: scaled by the run's measured host over the
+                                             median measured one, lins_ds.profiler.host; 1 where a run did not
+                                             measure it) and the bytes each fetch waits for. Shared by the
+                                             ZeRO-3 family (ZeRO-3, ZeRO++ and MiCS run the same code); 0
+                                             fetches for the others
 
 The maximum is fitted by its active branch: each ZeRO-3-family run's regressor is the branch that is slower
 under the previous round's terms (the first round sums both), repeated until no run changes branch. Tried
 as a sum, the fit could not hold ZeRO-3 on 2 emulated nodes at both model sizes (+20 % at 1B, -26 % at 7B):
-on sockets the fetch cost hides behind the transfers.
+on sockets the fetch cost hides behind the transfers. Without the byte term one cost per fetch cannot hold the
+one-host runs of both sizes (a 7B fetch costs 1.8x a 1B one: its modules are 2.5x larger): 7B's were 11-12 % low.
 
 A term is shared unless the data can tell its values apart: within one model the compute and the update are
 the same for every system, so a factor per optimizer implementation is not determined (the fit trades it
@@ -137,6 +141,7 @@ def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool
         cols[f"comm:{run.system}"] = terms.exposed_s
     if terms.fetches and bound is not False:
         cols["fetch"] = terms.fetches * terms.host_scale
+        cols["fetch_byte"] = terms.fetch_bytes
     return cols
 
 
@@ -198,7 +203,8 @@ def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: 
     out = {}
     for s in SYSTEMS:
         terms = {"comm_factor": coef.get(f"comm:{s}"), "update_factor": coef.get("update"),
-                 "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None}
+                 "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None,
+                 "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None}
         out[s] = {t: float(v) for t, v in terms.items() if v is not None}
     return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster, host_s)
 
@@ -310,15 +316,17 @@ def terms_text(overheads: Overheads) -> str:
     out = ["compute efficiency: " + ", ".join(f"{m} {e:.3f}" for m, e in sorted(overheads.compute.items())),
            "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (lins_ds.profiler.host; scaled by each "
                                              "run's own)" if host else "unmeasured speed (no run measured its host)"),
-           f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}"]
+           f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"]
     defaulted = False
     for s, fitted in overheads.systems.items():
         t = overheads.terms(s)
-        own = ("comm_factor", "update_factor") + (("per_fetch_s",) if s in FETCH_SYSTEMS else ())
+        own = ("comm_factor", "update_factor") + (("per_fetch_s", "per_fetch_byte_s") if s in FETCH_SYSTEMS else ())
         mark = {k: "*" if k in own and k not in fitted else " " for k in t}
         defaulted |= "*" in mark.values()
         out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['update_factor']:>13.3f}"
-                   f"{mark['update_factor']}{1e3 * t['per_fetch_s']:>12.3f}{mark['per_fetch_s']}")
+                   f"{mark['update_factor']}{1e3 * t['per_fetch_s']:>12.3f}{mark['per_fetch_s']}"
+                   + (f"{1e-9 / t['per_fetch_byte_s']:>10.0f}" if t["per_fetch_byte_s"] else f"{'-':>10}")
+                   + mark["per_fetch_byte_s"])
     if defaulted:
         out.append("* not determined by these runs (the system has none, or all on the other branch): the default")
     return "\n".join(out)

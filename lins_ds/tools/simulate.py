@@ -123,10 +123,11 @@ class Overheads:
     ``comm_factor`` scales the modelled exposed communication (what the system's bucketing and scheduling make
     of the profiled collective times), ``update_factor`` the modelled optimizer update (bytes at full memory
     bandwidth; the real update makes extra copies and launches), ``per_fetch_s`` is the cost of one module fetch
-    of the ZeRO-3 family (its hooks and launches, forward and backward). ``compute`` holds the fitted compute
-    efficiency per model name."""
+    of the ZeRO-3 family (its hooks and launches, forward and backward) on a host of ``host_s_per_module``, and
+    ``per_fetch_byte_s`` its cost per byte it assembles (a fetch waits for its own gather). ``compute`` holds the
+    fitted compute efficiency per model name."""
 
-    systems: dict  # system -> {"comm_factor", "update_factor", "per_fetch_s"}
+    systems: dict  # system -> {"comm_factor", "update_factor", "per_fetch_s", "per_fetch_byte_s"}
     compute: dict = field(default_factory=dict)  # model name -> achievable fraction of peak
     source: str = ""
     cluster: str = ""  # the compute model (cluster name) the efficiencies are fractions of
@@ -154,7 +155,7 @@ class Overheads:
                    str(obj.get("cluster", "")), float(host) if host else None)
 
 
-DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0}
+DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0, "per_fetch_byte_s": 0.0}
 NO_OVERHEADS = Overheads({}, {}, "none")
 
 
@@ -174,12 +175,14 @@ class StepTerms:
     exposed_s: float  # modelled exposed communication
     comm_s: float  # all modelled communication
     fetches: int
+    fetch_bytes: float = 0.0  # the parameter bytes the module fetches assemble (each module whole, fwd and bwd)
     host_scale: float = 1.0  # this host's time per module over the calibration host's (Overheads.host_scale)
 
     def waits(self, ov: dict) -> tuple:
-        """(link, fetch): the exposed communication and the fetches' own cost (hooks, launches: host time, so
-        scaled by the host's speed) under ``ov``."""
-        return ov["comm_factor"] * self.exposed_s, ov["per_fetch_s"] * self.fetches * self.host_scale
+        """(link, fetch): the exposed communication, and the fetches' own cost under ``ov``: their hooks and
+        launches (host time, so scaled by the host's speed) and the bytes each fetch waits for."""
+        return (ov["comm_factor"] * self.exposed_s,
+                ov["per_fetch_s"] * self.fetches * self.host_scale + ov["per_fetch_byte_s"] * self.fetch_bytes)
 
     def fetch_bound(self, ov: dict) -> bool:
         """Whether the module fetches, not the link, set the pace (see ``step``)."""
@@ -201,8 +204,9 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
     total = sum(c.total_s for c in colls)
     exposed = (cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, overlap_param_sync)
                if system == "lins" else total)
+    n = fetches(system, model, train)
     return StepTerms(train.grad_accum * (fwd + bwd), optimizer_seconds(model, train, s_os, compute), exposed, total,
-                     fetches(system, model, train))
+                     n, 2.0 * train.grad_accum * model.total_params() * train.param_bytes if n else 0.0)
 
 
 def _baseline_memory(system: str, model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec) -> tuple:
