@@ -7,7 +7,9 @@ with the host's CPU, from one machine of a kind to the next and under load, so t
 per-fetch cost by this measurement (``tools/calibrate.py``) instead of holding it constant. The modules are
 tiny, so the device finishes each kernel long before the host has launched the next: what is timed is the host.
 
-Run by every rank at once (contention for the CPU included); each rank reports its own median.
+Run by every rank at once (contention for the CPU included), in a process whose engine does not exist yet:
+after it, the probe would also time the engine's own state (its hooks, its objects for the garbage collector).
+So ``lins-ds profile`` and ``examples/train_llama.py`` measure it, not the engine's start-up profiling.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-MODULES, ITERS, REPEATS = 48, 10, 9  # about 0.3-1 s: the median of 9 holds a host's jitter
+MODULES, ITERS, REPEATS = 48, 10, 9  # about 0.5-1.5 s: the median of 9 holds a host's jitter
 
 
 def _chain(device) -> tuple:
@@ -49,13 +51,21 @@ def seconds_per_module(device: torch.device) -> float:
             h = layer(h)
         h.sum().backward()
 
-    once()  # first call: allocations, autograd graph warm-up
     times = []
-    for _ in range(REPEATS):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(ITERS):
-            once()
-        _sync(device)
-        times.append((time.perf_counter() - t0) / (ITERS * MODULES))
+    with torch.enable_grad():  # a caller under no_grad still gets its backward timed
+        once()  # first call: allocations, autograd graph warm-up
+        for _ in range(REPEATS):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(ITERS):
+                once()
+            _sync(device)
+            times.append((time.perf_counter() - t0) / (ITERS * MODULES))
     return statistics.median(times)
+
+
+def slowest_rank(device: torch.device) -> float:
+    """``seconds_per_module`` measured by every rank at once; the slowest rank's (it sets a step's pace)."""
+    from .. import comm
+
+    return comm.max_over_world(seconds_per_module(device), device)

@@ -15,7 +15,6 @@ import torch
 from .. import comm
 from ..plan import Factor, ProfileTable, Topology
 from ..plan.profile_table import OPS, Series
-from . import host
 
 FULL = dict(min_bytes=32 * 2**10, max_bytes=1 * 2**30, step=4, warmup=3, repeats=8)
 QUICK = dict(min_bytes=64 * 2**10, max_bytes=64 * 2**20, step=8, warmup=1, repeats=3)
@@ -102,6 +101,4 @@ def measure(topo: Topology, meshes: Iterable[Factor], device, *, min_bytes: int,
             series[(op, mesh.intra, mesh.inter)] = Series(tuple(size_list), tuple(times), tuple(spreads))
         comm.barrier()  # no rank still uses the group
         comm.destroy_group(my_pg)
-    meta = dict(meta or {})  # and the host's speed at driving module fetches, the slowest rank's (the simulator's)
-    meta["host_s_per_module"] = comm.max_over_world(host.seconds_per_module(device), device)
-    return ProfileTable(meta, series)
+    return ProfileTable(dict(meta or {}), series)

@@ -169,14 +169,28 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x / norms
 
 
-def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds: int = 30, cluster: str = "") -> Overheads:
-    """Every system's terms and every model's compute efficiency, fitted from ``runs`` (module docstring)."""
-    eff = {r.model: compute.achievable_mfu for r in runs}
+def host_of(run: Run, tables: dict) -> Optional[float]:
+    """The host speed a run is priced at: its own measurement, else its topology's profile's (``lins-ds profile``
+    records it), else None (the calibration host's, as ``simulate`` assumes for a profile without one)."""
+    table = tables.get(run.topology)
+    return run.host_s or (table.meta.get("host_s_per_module") if table is not None else None)
+
+
+def reference_host(runs: list) -> Optional[float]:
+    """The host the fitted per-fetch cost holds at: the median of the runs' measurements."""
     measured = [r.host_s for r in runs if r.host_s]
-    host = Overheads({}, host_s_per_module=float(np.median(measured)) if measured else None)  # the reference host
+    return float(np.median(measured)) if measured else None
+
+
+def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds: int = 30, cluster: str = "",
+        host_s: Optional[float] = None) -> Overheads:
+    """Every system's terms and every model's compute efficiency, fitted from ``runs`` (module docstring); the
+    per-fetch cost at a host of ``host_s`` (default: ``reference_host(runs)``)."""
+    eff = {r.model: compute.achievable_mfu for r in runs}
+    host = Overheads({}, host_s_per_module=host_s or reference_host(runs))
     bound = [None] * len(runs)
     for _ in range(rounds):
-        terms = [terms_of(r, tables, compute.at(eff[r.model]), host.host_scale(r.host_s))[0] for r in runs]
+        terms = [terms_of(r, tables, compute.at(eff[r.model]), host.host_scale(host_of(r, tables)))[0] for r in runs]
         cols = [_columns(r, t, eff[r.model], b) for r, t, b in zip(runs, terms, bound)]
         names = sorted({n for c in cols for n, v in c.items() if v > 0})
         a = np.array([[c.get(n, 0.0) / r.step_s for n in names] for r, c in zip(runs, cols)])
@@ -215,7 +229,7 @@ def predict(run: Run, tables: dict, compute: ComputeSpec, overheads: Overheads) 
         raise PlanError(f"{run.label}: the calibration has no compute efficiency for model {run.model!r} "
                         f"(it has {sorted(overheads.compute)}); fit with a run of it")
     efficiency = overheads.compute[run.model]
-    terms, breakdown = terms_of(run, tables, compute.at(efficiency), overheads.host_scale(run.host_s))
+    terms, breakdown = terms_of(run, tables, compute.at(efficiency), overheads.host_scale(host_of(run, tables)))
     return terms.step(overheads.terms(run.system)), terms, breakdown, efficiency
 
 
@@ -247,7 +261,7 @@ def validate(runs: list, tables: dict, compute: ComputeSpec, overheads: Overhead
             row["predicted_over_nocomm_s"] = row["predicted_step_s"] - base[r.config]
         if leave_one_out:
             if r.key not in left_out:
-                left_out[r.key] = _fit_without(r.key, runs, tables, compute)
+                left_out[r.key] = _fit_without(r.key, runs, tables, compute, overheads.host_s_per_module)
             others = left_out[r.key]
             loo = predict(r, tables, compute, others)[0] if others and r.model in others.compute else None
             row["loo_predicted_step_s"] = loo
@@ -255,10 +269,12 @@ def validate(runs: list, tables: dict, compute: ComputeSpec, overheads: Overhead
     return rows
 
 
-def _fit_without(key: tuple, runs: list, tables: dict, compute: ComputeSpec) -> Optional[Overheads]:
-    """The fit made without the runs of one mode, or None where the others do not determine it."""
+def _fit_without(key: tuple, runs: list, tables: dict, compute: ComputeSpec,
+                 host_s: Optional[float]) -> Optional[Overheads]:
+    """The fit made without the runs of one mode (at the full fit's reference host, so that the unmeasured runs
+    keep the host they are taken at), or None where the others do not determine it."""
     try:
-        return fit([o for o in runs if o.key != key], tables, compute)
+        return fit([o for o in runs if o.key != key], tables, compute, host_s=host_s)
     except PlanError:
         return None
 

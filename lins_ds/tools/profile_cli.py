@@ -12,7 +12,7 @@ import torch.distributed as tdist
 from ..plan import Topology, TrainingSpec, candidates, load_model
 from ..plan.cost import model_units, required_meshes
 from ..plan.profile_table import bus_factor
-from ..profiler import cache
+from ..profiler import cache, host
 from ..profiler.measure import FULL, QUICK, measure, sizes
 from ..comm import local_world_size
 from .baselines import set_virtual_node
@@ -53,7 +53,9 @@ def _measure(args, topo: Topology, device) -> tuple:
         bar = tqdm(total=total, desc="lins profile", unit="point")
     key = cache.launch_key(topo, device)
     t0 = time.perf_counter()
-    table = measure(topo, meshes, device, meta={**key, "source": f"measured:{'quick' if args.quick else 'full'}"},
+    host_s = host.slowest_rank(device)  # the simulator scales DeepSpeed's per-fetch cost by it
+    table = measure(topo, meshes, device, meta={**key, "source": f"measured:{'quick' if args.quick else 'full'}",
+                                                "host_s_per_module": host_s},
                     progress=(lambda _: bar.update(1)) if bar else None, **params)
     elapsed = time.perf_counter() - t0
     if tdist.get_rank() == 0:
