@@ -5,6 +5,11 @@
 #   bash bench/gpu_simulate.sh 1b      # then: tar xzf sim_1b.tgz -C bench/results/simulate/<lease>/
 # "1b-loaded": the one-host 1B runs of ZeRO-1, the ZeRO-3 family and Lins while every core also runs a busy loop
 # (a slower host, measured by each run's lins_ds.profiler.host probe: what the simulator's fetch cost scales by).
+# "1b-1gpu": every mode on ONE GPU (one rank: DeepSpeed's stage-3 fetches gather nothing, only their hooks run, so
+# ZeRO-3 minus ZeRO-0 is the hooks' cost alone); "1b-1gpu-half" / "1b-1gpu-loaded": ZeRO-0, ZeRO-3 and MiCS there
+# with half / all of the cores also running a busy loop (does the hooks' cost follow the host probe?).
+# "wide-1gpu": ZeRO-0, ZeRO-3 and MiCS on one GPU with 7B's modules, 8 layers (bench/models/): does a fetch of a
+# 4x larger module cost more when nothing is gathered (host copies), or is the per-byte cost the gather's wait?
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -20,12 +25,22 @@ for size in "$@"; do
     1b-loaded) args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
         grid="--modes zero1,zero3,zeropp,mics,lins --topologies host --no-no-comm-limit"
         for _ in $(seq "$(nproc)"); do python3 -c "while True: pass" & done;;
-    *) echo "gpu_simulate.sh: unknown size $size (1b, 7b or 1b-loaded)"; exit 2;;
+    1b-1gpu) args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
+        grid="--modes $MODES --topologies host --nproc 1 --no-no-comm-limit";;
+    wide-1gpu) args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
+        grid="--modes zero0,zero3,mics --topologies host --nproc 1 --no-no-comm-limit";;
+    1b-1gpu-half|1b-1gpu-loaded)
+        args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
+        grid="--modes zero0,zero3,mics --topologies host --nproc 1 --no-no-comm-limit"
+        busy=$(nproc); [ "$size" = 1b-1gpu-half ] && busy=$((busy / 2))
+        for _ in $(seq "$busy"); do python3 -c "while True: pass" & done;;
+    *) echo "gpu_simulate.sh: unknown size $size (1b, 7b, 1b-loaded, 1b-1gpu, 1b-1gpu-half, 1b-1gpu-loaded, wide-1gpu)"; exit 2;;
   esac
   dir=$(mktemp -d)/sim_$size
-  timeout ${BENCH_TIMEOUT:-540} python3 -m lins_ds.cli bench --model "${size%-loaded}" --seq-len 2048 $args \
+  model=${size%%-*}; [ "$model" = wide ] && model=bench/models/llama-7b-width-8-layers.json
+  timeout ${BENCH_TIMEOUT:-540} python3 -m lins_ds.cli bench --model "$model" --seq-len 2048 $args \
       $grid --out "$dir" 2>&1 | grep -vE "Warning|warn\(" | tail -40
-  [ "$size" = 1b-loaded ] && { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
+  [ -n "$(jobs -p)" ] && { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
   python3 - "$dir" <<'PY'  # the host probe per run, next to the step
 import glob, json, os, sys
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
@@ -33,5 +48,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
     if "host_s_per_module" in r:
         print(f"{os.path.basename(f):24s} step {r['median_step_s']:.3f} s  host {1e6 * r['host_s_per_module']:.1f} us/module")
 PY
-  tar czf "$OUT/sim_$size.tgz" -C "$(dirname "$dir")" "sim_$size"
+  tgz=$OUT/sim_$size.tgz n=2  # a size run again into the same $OUT: sim_<size>_2.tgz, ...
+  while [ -e "$tgz" ]; do tgz=$OUT/sim_${size}_$n.tgz n=$((n + 1)); done
+  tar czf "$tgz" -C "$(dirname "$dir")" "sim_$size"
 done

@@ -233,3 +233,19 @@ def test_cli_fit_validate_and_calibration(tmp_path, benches, capsys):
     assert sim == pytest.approx(measured, rel=1e-3)
     _fails(capsys, [*host, "--cluster", "a800-ib"], "--cluster a800-ib: the fitted efficiency of llama-1b")
     _fails(capsys, ["simulate", "--model", "llama-7b"], "--gpus-per-node: required to simulate")
+
+
+def test_one_gpu_runs_pay_the_hooks_only_and_are_labelled_apart(tmp_path):
+    """A bench on one GPU (``lins-ds bench --nproc 1``): its ZeRO-3 run is priced with the hooks of every fetch
+    and none of the bytes (one rank gathers nothing) and keeps a label apart from the two-GPU host runs."""
+    rows = [{"mode": m, "model": "1b", "world_size": 1, "gpus_per_node": 1, "seq_len": 2048, "median_step_s": 1.0,
+             "samples_per_gpu_per_step": 4, "host_s_per_module": 60e-6} for m in ("zero0", "zero3")]
+    path = tmp_path / "one_gpu.json"
+    path.write_text(json.dumps({"command": "lins-ds bench --nproc 1", "micro_batch_size": 2, "grad_accum": 2,
+                                "table": {"host": {"rows": rows}}}))
+    zero0, zero3 = C.load_runs(str(path))
+    assert (zero0.label, zero3.label) == ("llama-1b 1-GPU zero0", "llama-1b 1-GPU zero3")
+    truth = Overheads(TRUE.systems, TRUE.compute, "synthetic", host_s_per_module=40e-6)
+    (s0, t0, _, _), (s3, t3, _, _) = (C.predict(r, _tables(), CLUSTER.compute(), truth) for r in (zero0, zero3))
+    assert t3.fetch_bytes == 0 and t3.exposed_s == 0
+    assert s3 - s0 == pytest.approx(7e-4 * t3.fetches * 1.5)  # the hooks at a host 1.5x the reference's

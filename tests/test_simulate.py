@@ -95,3 +95,31 @@ def test_a_profiles_measured_host_scales_the_fetch_cost_only():
     assert same["zero3"].step_s == pytest.approx(same["zero3"].compute_s + same["zero3"].update_s + fetch_s)
     assert slow["zero3"].step_s - same["zero3"].step_s == pytest.approx(fetch_s)
     assert slow["zero1"].step_s == same["zero1"].step_s
+
+
+def test_one_rank_fetches_run_their_hooks_but_gather_nothing():
+    """DeepSpeed's stage-3 fetch on a group of one rank only points the module at its own copy
+    (``_no_gather_coalesced``): one GPU pays ZeRO-3's hooks, not its per-byte cost; MiCS (a gather on a
+    one-rank group: a local copy) is priced the same when its shard group (a node) is one GPU, even across
+    nodes. ZeRO++ with one GPU per node has hpZ off: it gathers over the world in backward too."""
+    from lins_ds.tools.simulate import system_terms
+
+    cluster, model = get_cluster("h200-emulated"), BUILTIN_MODELS["llama-1b"]
+    mem = MemorySpec(139)
+    fetched = {}
+    for nodes, per_node in ((1, 1), (1, 2), (2, 1)):
+        topo = Topology(nodes, per_node)
+        train = sim_train(model, topo, 2048, 2, 4096 * 2 * topo.world_size)
+        table = cluster.table(required_meshes(topo, candidates(topo)))
+        for system in ("zero3", "zeropp", "mics"):
+            terms = system_terms(system, model, topo, train, mem, table, cluster.compute())[0]
+            assert terms.fetches == 2 * 2 * (model.num_layers * 7 + 2)  # grad-accum 2, forward and backward
+            fetched[system, nodes, per_node] = terms.fetch_bytes
+    bytes_per_step = 2 * 2 * model.total_params() * 2  # grad-accum 2, forward and backward, bf16
+    assert fetched["zero3", 1, 1] == fetched["mics", 1, 1] == fetched["mics", 2, 1] == 0
+    assert fetched["zero3", 1, 2] == fetched["zero3", 2, 1] == fetched["mics", 1, 2] == bytes_per_step
+    assert fetched["zeropp", 1, 1] == 0 and fetched["zeropp", 2, 1] == fetched["zeropp", 1, 2] == bytes_per_step
+    bwd = [c for c in baseline_schedule("zeropp", Topology(2, 1), model, sim_train(model, Topology(2, 1), 2048, 2,
+                                                                                      8192)) if c.phase == "backward"
+           and c.op == "all_gather"]
+    assert {c.mesh.size for c in bwd} == {2}

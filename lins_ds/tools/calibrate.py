@@ -68,7 +68,8 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.model} {self.topology} {self.mode}"
+        where = "1-GPU" if self.nodes * self.gpus_per_node == 1 and self.mode != "nocomm" else self.topology
+        return f"{self.model} {where} {self.mode}"
 
     @property
     def config(self) -> tuple:

@@ -105,7 +105,8 @@ def baseline_schedule(system: str, topo: Topology, model: ModelSpec, train: Trai
         return [_c("g", "backward", "reduce_scatter", world, layer * rb, K * n_layers),
                 _c("g", "backward", "reduce_scatter", world, root * rb, K)] + param_gather
     fwd_mesh = node if system == "mics" else world
-    bwd_mesh = node if system in ("mics", "zeropp") else world
+    # ZeRO++'s backward gathers from its node-sized hpZ copy; with one GPU per node hpZ is off (size 1)
+    bwd_mesh = node if system == "mics" or (system == "zeropp" and topo.gpus_per_node > 1) else world
     rs_mesh = node if system == "mics" else world
     out = [_c("p", "forward", "all_gather", fwd_mesh, module * pb, K * n_layers * MODULES_PER_LAYER),
            _c("p", "forward", "all_gather", fwd_mesh, root * pb, K),
@@ -205,8 +206,12 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
     exposed = (cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, overlap_param_sync)
                if system == "lins" else total)
     n = fetches(system, model, train)
+    # a group of one rank gathers nothing: ZeRO-3's fetch then only points the module at its own copy
+    # (partition_parameters._no_gather_coalesced), MiCS's gathers on a one-rank group (a local copy at memory
+    # speed, priced as nothing); the hooks still run
+    gathers = any(c.state == "p" and c.op == "all_gather" and c.mesh.size > 1 for c in colls)
     return StepTerms(train.grad_accum * (fwd + bwd), optimizer_seconds(model, train, s_os, compute), exposed, total,
-                     n, 2.0 * train.grad_accum * model.total_params() * train.param_bytes if n else 0.0)
+                     n, 2.0 * train.grad_accum * model.total_params() * train.param_bytes if n and gathers else 0.0)
 
 
 def _baseline_memory(system: str, model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec) -> tuple:
