@@ -246,6 +246,6 @@ def test_one_gpu_runs_pay_the_hooks_only_and_are_labelled_apart(tmp_path):
     zero0, zero3 = C.load_runs(str(path))
     assert (zero0.label, zero3.label) == ("llama-1b 1-GPU zero0", "llama-1b 1-GPU zero3")
     truth = Overheads(TRUE.systems, TRUE.compute, "synthetic", host_s_per_module=40e-6)
-    (s0, t0, _, _), (s3, t3, _, _) = (C.predict(r, _tables(), CLUSTER.compute(), truth) for r in (zero0, zero3))
+    (s0, *_), (s3, t3, *_) = (C.predict(r, _tables(), CLUSTER.compute(), truth) for r in (zero0, zero3))
     assert t3.fetch_bytes == 0 and t3.exposed_s == 0
     assert s3 - s0 == pytest.approx(7e-4 * t3.fetches * 1.5)  # the hooks at a host 1.5x the reference's
