@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import lins_ds  # noqa: F401,E402
 from distributed import run  # noqa: E402
-from test_engine_parity import MB, SEQ, batch, tiny_llama  # noqa: E402
+from test_engine_parity import MB, batch, tiny_llama  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 K = 2  # steps before and after the checkpoint

@@ -12,7 +12,7 @@ import lins_ds  # noqa: F401,E402
 from distributed import run  # noqa: E402
 from test_engine_parity import GAS, GPUS_PER_NODE, WORLD, param_groups, reference, tiny_llama  # noqa: E402
 
-from lins_ds.plan import (BUILTIN_MODELS, ComputeSpec, MemorySpec, Topology, TrainingSpec, candidates,  # noqa: E402
+from lins_ds.plan import (BUILTIN_MODELS, MemorySpec, Topology, TrainingSpec, candidates,  # noqa: E402
                           get_cluster, solve)
 from lins_ds.plan import cost  # noqa: E402
 from lins_ds.plan.memory import ActivationProfile, formula_activations, memory  # noqa: E402

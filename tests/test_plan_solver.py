@@ -75,7 +75,7 @@ def test_more_memory_never_yields_a_slower_plan(ckpt):
         topo, model, train = _random_case(rng)
         train = TrainingSpec(train.seq_len, train.micro_batch_size, train.grad_accum, train.param_dtype,
                              activation_checkpointing=ckpt)
-        table, prev = _table(topo), None
+        table, prev, prev_obj, prev_key = _table(topo), None, None, None
         for cap in [2 + 0.5 * k for k in range(0, 60)]:
             try:
                 sol = solve(model, topo, train, MemorySpec(cap), table)
