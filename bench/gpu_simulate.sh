@@ -16,24 +16,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 MODES=zero0,zero1,zero2,zero3,zeropp,mics,lins
+ARGS_1B="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
+ONE_GPU="--topologies host --nproc 1 --no-no-comm-limit"
+busy_loops() { for _ in $(seq "$1"); do python3 -c "while True: pass" & done; }
 for size in "$@"; do
+  args=$ARGS_1B
   case $size in
-    1b) args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
-        grid="--modes $MODES --topologies host,emulated";;
+    1b) grid="--modes $MODES --topologies host,emulated";;
     7b) args="--micro-batch-size 1 --grad-accum 2 --steps 3 --warmup-steps 1 --loss-steps 3"
         grid="--modes $MODES --topologies host,emulated";;
-    1b-loaded) args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
-        grid="--modes zero1,zero3,zeropp,mics,lins --topologies host --no-no-comm-limit"
-        for _ in $(seq "$(nproc)"); do python3 -c "while True: pass" & done;;
-    1b-1gpu) args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
-        grid="--modes $MODES --topologies host --nproc 1 --no-no-comm-limit";;
-    wide-1gpu) args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
-        grid="--modes zero0,zero3,mics --topologies host --nproc 1 --no-no-comm-limit";;
-    1b-1gpu-half|1b-1gpu-loaded)
-        args="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
-        grid="--modes zero0,zero3,mics --topologies host --nproc 1 --no-no-comm-limit"
-        busy=$(nproc); [ "$size" = 1b-1gpu-half ] && busy=$((busy / 2))
-        for _ in $(seq "$busy"); do python3 -c "while True: pass" & done;;
+    1b-loaded) grid="--modes zero1,zero3,zeropp,mics,lins --topologies host --no-no-comm-limit"
+        busy_loops "$(nproc)";;
+    1b-1gpu) grid="--modes $MODES $ONE_GPU";;
+    wide-1gpu) grid="--modes zero0,zero3,mics $ONE_GPU";;
+    1b-1gpu-half) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops $(($(nproc) / 2));;
+    1b-1gpu-loaded) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops "$(nproc)";;
     *) echo "gpu_simulate.sh: unknown size $size (1b, 7b, 1b-loaded, 1b-1gpu, 1b-1gpu-half, 1b-1gpu-loaded, wide-1gpu)"; exit 2;;
   esac
   dir=$(mktemp -d)/sim_$size
