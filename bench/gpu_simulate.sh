@@ -10,6 +10,8 @@
 # with half / all of the cores also running a busy loop (does the hooks' cost follow the host probe?).
 # "wide-1gpu": ZeRO-0, ZeRO-3 and MiCS on one GPU with 7B's modules, 8 layers (bench/models/): does a fetch of a
 # 4x larger module cost more when nothing is gathered (host copies), or is the per-byte cost the gather's wait?
+# "trace-2gpu": torch.profiler summaries of ZeRO-3, ZeRO++ and MiCS on 2 GPUs of one host, 1B (where their
+# two-rank work goes: hpZ's secondary copies, MiCS's coalesced gathers), each run with its host probe.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -31,7 +33,15 @@ for size in "$@"; do
     wide-1gpu) grid="--modes zero0,zero3,mics $ONE_GPU";;
     1b-1gpu-half) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops $(($(nproc) / 2));;
     1b-1gpu-loaded) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops "$(nproc)";;
-    *) echo "gpu_simulate.sh: unknown size $size (1b, 7b, 1b-loaded, 1b-1gpu, 1b-1gpu-half, 1b-1gpu-loaded, wide-1gpu)"; exit 2;;
+    trace-2gpu) dir=$(mktemp -d)/sim_$size; mkdir -p "$dir"
+        for ds in zero3 zeropp mics; do
+          timeout 150 torchrun --nproc_per_node 2 examples/train_llama.py --deepspeed_config ds_configs/$ds.json \
+              --model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 \
+              --out "$dir/1b_$ds.json" --trace-summary "$dir/trace_1b_$ds.txt" \
+              2>&1 | grep -vE "Warning|warn\(" | tail -3
+        done
+        tar czf "$OUT/sim_$size.tgz" -C "$(dirname "$dir")" "sim_$size"; continue;;
+    *) echo "gpu_simulate.sh: unknown size $size (1b, 7b, 1b-loaded, 1b-1gpu, 1b-1gpu-half, 1b-1gpu-loaded, wide-1gpu, trace-2gpu)"; exit 2;;
   esac
   dir=$(mktemp -d)/sim_$size
   model=${size%%-*}; [ "$model" = wide ] && model=bench/models/llama-7b-width-8-layers.json
