@@ -21,6 +21,20 @@ MODES=zero0,zero1,zero2,zero3,zeropp,mics,lins
 ARGS_1B="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
 ONE_GPU="--topologies host --nproc 1 --no-no-comm-limit"
 busy_loops() { for _ in $(seq "$1"); do python3 -c "while True: pass" & done; }
+show() {  # the host probe per run, next to the step
+  python3 - "$1" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
+    r = json.load(open(f))
+    if "host_s_per_module" in r:
+        print(f"{os.path.basename(f):24s} step {r['median_step_s']:.3f} s  host {1e6 * r['host_s_per_module']:.1f} us/module")
+PY
+}
+pack() {  # $1 = .../sim_<size> into $OUT/sim_<size>.tgz; run again into the same $OUT: sim_<size>_2.tgz, ...
+  local name tgz n=2; name=$(basename "$1"); tgz=$OUT/$name.tgz
+  while [ -e "$tgz" ]; do tgz=$OUT/${name}_$n.tgz n=$((n + 1)); done
+  tar czf "$tgz" -C "$(dirname "$1")" "$name"
+}
 for size in "$@"; do
   args=$ARGS_1B
   case $size in
@@ -34,13 +48,13 @@ for size in "$@"; do
     1b-1gpu-half) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops $(($(nproc) / 2));;
     1b-1gpu-loaded) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops "$(nproc)";;
     trace-2gpu) dir=$(mktemp -d)/sim_$size; mkdir -p "$dir"
-        for ds in zero3 zeropp mics; do
+        for ds in zero3 zeropp mics; do  # --gpus-per-node 2: hpZ and MiCS groups of the host, as the bench's runs
           timeout 150 torchrun --nproc_per_node 2 examples/train_llama.py --deepspeed_config ds_configs/$ds.json \
               --model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 \
-              --out "$dir/1b_$ds.json" --trace-summary "$dir/trace_1b_$ds.txt" \
+              --gpus-per-node 2 --out "$dir/1b_$ds.json" --trace-summary "$dir/trace_1b_$ds.txt" \
               2>&1 | grep -vE "Warning|warn\(" | tail -3
         done
-        tar czf "$OUT/sim_$size.tgz" -C "$(dirname "$dir")" "sim_$size"; continue;;
+        show "$dir"; pack "$dir"; continue;;
     *) echo "gpu_simulate.sh: unknown size $size (1b, 7b, 1b-loaded, 1b-1gpu, 1b-1gpu-half, 1b-1gpu-loaded, wide-1gpu, trace-2gpu)"; exit 2;;
   esac
   dir=$(mktemp -d)/sim_$size
@@ -48,14 +62,5 @@ for size in "$@"; do
   timeout ${BENCH_TIMEOUT:-540} python3 -m lins_ds.cli bench --model "$model" --seq-len 2048 $args \
       $grid --out "$dir" 2>&1 | grep -vE "Warning|warn\(" | tail -40
   [ -n "$(jobs -p)" ] && { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
-  python3 - "$dir" <<'PY'  # the host probe per run, next to the step
-import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
-    r = json.load(open(f))
-    if "host_s_per_module" in r:
-        print(f"{os.path.basename(f):24s} step {r['median_step_s']:.3f} s  host {1e6 * r['host_s_per_module']:.1f} us/module")
-PY
-  tgz=$OUT/sim_$size.tgz n=2  # a size run again into the same $OUT: sim_<size>_2.tgz, ...
-  while [ -e "$tgz" ]; do tgz=$OUT/sim_${size}_$n.tgz n=$((n + 1)); done
-  tar czf "$tgz" -C "$(dirname "$dir")" "sim_$size"
+  show "$dir"; pack "$dir"
 done
