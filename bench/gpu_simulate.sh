@@ -18,7 +18,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 MODES=zero0,zero1,zero2,zero3,zeropp,mics,lins
-ARGS_1B="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 --loss-steps 5"
+STEPS_1B="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2"  # examples/train_llama.py's too
+ARGS_1B="$STEPS_1B --loss-steps 5"
 ONE_GPU="--topologies host --nproc 1 --no-no-comm-limit"
 busy_loops() { for _ in $(seq "$1"); do python3 -c "while True: pass" & done; }
 show() {  # the host probe per run, next to the step
@@ -36,7 +37,7 @@ pack() {  # $1 = .../sim_<size> into $OUT/sim_<size>.tgz; run again into the sam
   tar czf "$tgz" -C "$(dirname "$1")" "$name"
 }
 for size in "$@"; do
-  args=$ARGS_1B
+  args=$ARGS_1B dir=$(mktemp -d)/sim_$size
   case $size in
     1b) grid="--modes $MODES --topologies host,emulated";;
     7b) args="--micro-batch-size 1 --grad-accum 2 --steps 3 --warmup-steps 1 --loss-steps 3"
@@ -47,17 +48,16 @@ for size in "$@"; do
     wide-1gpu) grid="--modes zero0,zero3,mics $ONE_GPU";;
     1b-1gpu-half) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops $(($(nproc) / 2));;
     1b-1gpu-loaded) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops "$(nproc)";;
-    trace-2gpu) dir=$(mktemp -d)/sim_$size; mkdir -p "$dir"
+    trace-2gpu) mkdir -p "$dir"
         for ds in zero3 zeropp mics; do  # --gpus-per-node 2: hpZ and MiCS groups of the host, as the bench's runs
           timeout 150 torchrun --nproc_per_node 2 examples/train_llama.py --deepspeed_config ds_configs/$ds.json \
-              --model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2 \
-              --gpus-per-node 2 --out "$dir/1b_$ds.json" --trace-summary "$dir/trace_1b_$ds.txt" \
+              --model 1b --seq-len 2048 $STEPS_1B --gpus-per-node 2 \
+              --out "$dir/1b_$ds.json" --trace-summary "$dir/trace_1b_$ds.txt" \
               2>&1 | grep -vE "Warning|warn\(" | tail -3
         done
         show "$dir"; pack "$dir"; continue;;
     *) echo "gpu_simulate.sh: unknown size $size (1b, 7b, 1b-loaded, 1b-1gpu, 1b-1gpu-half, 1b-1gpu-loaded, wide-1gpu, trace-2gpu)"; exit 2;;
   esac
-  dir=$(mktemp -d)/sim_$size
   model=${size%%-*}; [ "$model" = wide ] && model=bench/models/llama-7b-width-8-layers.json
   timeout ${BENCH_TIMEOUT:-540} python3 -m lins_ds.cli bench --model "$model" --seq-len 2048 $args \
       $grid --out "$dir" 2>&1 | grep -vE "Warning|warn\(" | tail -40
