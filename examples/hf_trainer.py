@@ -73,6 +73,7 @@ def main():
                 for h in trainer.state.log_history if "loss" in h]
         with open(os.path.join(args.output_dir, "losses.json"), "w") as f:
             json.dump({"world_size": args.world_size, "engine": type(trainer.model_wrapped).__name__, "log": logs}, f)
+    trainer.accelerator.end_training()  # destroys the process group, as torch asks every process to
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
     deepspeed --module lins_ds.run train.py --deepspeed ds_configs/lins.json ...
     accelerate launch -m lins_ds.run train.py ...
     python -m lins_ds.run -m some.package.module ARGS      (a module instead of a file)
+
+When the script finishes, the process group it left open is destroyed, as torch asks every process to.
 """
 
 from __future__ import annotations
@@ -28,10 +30,33 @@ def _launcher_options(argv: list) -> tuple:
     return lead, argv
 
 
+def _release_process_group() -> None:
+    """Destroy the default process group a finished script left open. torch asks every process to end with
+    ``destroy_process_group()``; scripts rarely do, and a gloo group left to interpreter exit can abort the
+    process after its work is done (pytorch/pytorch#179291), which torchrun reports as the job failing."""
+    import torch.distributed as dist
+
+    engine = sys.modules.get("lins_ds.integrations.engine")  # loaded once the script built a LinsEngine
+    if engine is not None:
+        engine.destroy_live_engines()  # first: their collectives still in flight finish on the group
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> None:
     lead, argv = _launcher_options(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         raise SystemExit(USAGE)
+    try:
+        _run(argv, lead)
+    except SystemExit as e:
+        if e.code in (None, 0):  # sys.exit() from a script that finished
+            _release_process_group()
+        raise
+    _release_process_group()  # not on an error: the script's own traceback stays the last word
+
+
+def _run(argv: list, lead: list) -> None:
     if argv[0] == "-m":
         if len(argv) < 2:
             raise SystemExit(USAGE)

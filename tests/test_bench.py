@@ -39,3 +39,16 @@ def test_memory_bench_writes_predicted_and_measured_rows(tmp_path):
     assert lins["predicted_peak_gib"] > 0 and lins["memory_profile"] == "formula"  # measured on GPUs only
     assert rows["lins-partial-ckpt"]["budget_gib"] > 0 and rows["zero1"]["predicted_peak_gib"] is None
     assert (tmp_path / "tiny.png").stat().st_size > 0
+
+
+def test_a_failed_run_is_named_by_its_exception_else_by_the_rank_that_aborted():
+    from lins_ds.tools.bench import failure
+
+    launcher = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\n"
+                "  exitcode  : -6 (pid: 27767)  (SIGABRT)\n=====")
+    aborted = "step    3  loss 6.2648\nterminate called without an active exception\n" + launcher
+    assert failure(aborted) == "terminate called without an active exception"
+    raised = "[rank0]: Traceback (most recent call last):\n[rank0]: ValueError: lins.plan: bad\n"
+    peer = "terminate called after throwing an instance of 'gloo::IoException'\n  what():  Connection closed by peer\n"
+    assert failure(raised + peer + launcher) == "ValueError: lins.plan: bad"  # the cause, not the peer's abort
+    assert failure("just a line\n") == "just a line"

@@ -64,7 +64,7 @@ class LinsEngine(DeepSpeedEngine):
         ds_compat.check_engine_attributes(self)
         self.module.register_state_dict_pre_hook(self._gather_for_state_dict)
         self.module._register_state_dict_hook(self._copy_out_state_dict)
-        atexit.register(_destroy_at_exit, weakref.ref(self))
+        _LIVE.add(self)
         report_startup(self.lins, self._lins_solve, time.perf_counter() - t0)
 
     def _lins_dtypes(self) -> tuple:
@@ -184,7 +184,14 @@ class LinsEngine(DeepSpeedEngine):
         super().destroy()
 
 
-def _destroy_at_exit(ref) -> None:
-    engine = ref()
-    if engine is not None:
+_LIVE = weakref.WeakSet()  # every LinsEngine built in this process and still referenced
+
+
+def destroy_live_engines() -> None:
+    """``destroy()`` every LinsEngine still alive (idempotent, no collective): at interpreter exit, and from
+    ``lins_ds.run`` before it destroys the process group the script left open."""
+    for engine in list(_LIVE):
         engine.destroy()
+
+
+atexit.register(destroy_live_engines)

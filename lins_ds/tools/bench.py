@@ -24,6 +24,7 @@ TOPOLOGIES = ("host", "emulated")  # the real host, or virtual nodes of --emulat
 CONFIG_OF = {"nocomm": "zero0", "lins-budget": "lins"}  # modes that reuse another mode's config
 LAUNCHER_EXCEPTIONS = ("ChildFailedError", "ProcessRaisedException")  # torchrun's report of a rank's failure
 EXCEPTION_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)\w*)\s*:(.*)$")
+NATIVE_ABORT = re.compile(r"^\s*(terminate called .*|what\(\):.*|Fatal Python error: .*)$")  # C++ / interpreter
 
 
 def example_script() -> str:
@@ -42,12 +43,16 @@ def node_size(args, topo: str, nproc: int) -> int:
 
 
 def failure(output: str) -> str:
-    """The last exception a failed run printed (``Type: message``), else its last line."""
+    """The last Python exception a failed run printed (``Type: message``), else a rank's native abort
+    (``terminate called ...``: a peer's abort often follows the exception that caused it), else its last line."""
     lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in output.splitlines() if ln.strip()]
     for ln in reversed(lines):
         m = EXCEPTION_LINE.match(ln)
         if m and m.group(1) not in LAUNCHER_EXCEPTIONS:
             return f"{m.group(1)}:{m.group(2)}".strip()
+    for ln in reversed(lines):
+        if NATIVE_ABORT.match(ln):
+            return ln.strip()
     return lines[-1].strip() if lines else "no output"
 
 
