@@ -4,7 +4,9 @@ Everything above it — the profiler, the runtime, the checkpoints — communica
 functions. Lins' groups come from the pure layout (``lins_ds.plan.layout``), listed in chunk order;
 they are created with ``sort_ranks=False`` because chunk order is not global-rank order in general.
 Tensor collectives go through ``deepspeed.comm`` so DeepSpeed's comms logger sees them; a ``Recorder``
-(tests, validation) sees every Lins collective with its group kind and byte count.
+(tests, validation) sees every Lins collective with its group kind and byte count, and with
+``lins.check_collectives`` (or ``LINS_CHECK_COLLECTIVES=1``) ``Groups`` keeps what this rank issued so that
+``check_order`` can hold it against every other rank's.
 """
 
 from __future__ import annotations
@@ -93,6 +95,50 @@ def _record(op: str, kind: str, t: torch.Tensor) -> None:
         _recorder.calls.append((op, kind, t.numel() * t.element_size()))
 
 
+# --- the collective-order check (debug) ----------------------------------------------------------------
+CHECK_ENV = "LINS_CHECK_COLLECTIVES"
+
+
+class CollectiveOrderError(RuntimeError):
+    """The ranks issued different collectives on a group: raised on every rank, after comparing."""
+
+
+@dataclass(frozen=True)
+class Issued:
+    """One Lins collective as this rank issued it."""
+
+    op: str
+    kind: str  # the group kind
+    tag: str  # what it moves: a unit's name, "grad-norm"
+    numel: int
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.op} of {self.tag} ({self.numel} x {self.dtype})"
+
+
+def check_requested() -> bool:
+    return os.environ.get(CHECK_ENV, "").lower() not in ("", "0", "false", "no")
+
+
+def first_mismatch(logs: list) -> Optional[str]:
+    """Where the ranks' logs (lists of ``Issued``, by rank) first differ on some group kind, or None. Every rank
+    runs the same schedule, so each kind's sequence must be the same on all of them; only the interleaving
+    of different kinds may differ (they are different process groups)."""
+    kinds = sorted({e.kind for log in logs for e in log})
+    worst = None
+    for kind in kinds:
+        seqs = [[e for e in log if e.kind == kind] for log in logs]
+        for r, seq in enumerate(seqs[1:], start=1):
+            n = next((i for i, (a, b) in enumerate(zip(seqs[0], seq)) if a != b), min(len(seqs[0]), len(seq)))
+            if n == len(seqs[0]) == len(seq) or (worst is not None and n >= worst[0]):
+                continue
+            show = lambda q: str(q[n]) if n < len(q) else "nothing"  # noqa: E731
+            worst = (n, f"the ranks' collectives on their {kind!r} groups differ at #{n + 1}: {show(seqs[0])} on "
+                        f"rank 0, {show(seq)} on rank {r}")
+    return None if worst is None else worst[1]
+
+
 # --- Lins' process groups ------------------------------------------------------------------------------
 def new_group(ranks: list):
     """A process group of ``ranks`` in the order given (every rank must call it, in the same order)."""
@@ -111,10 +157,11 @@ def destroy_group(pg) -> None:
 class Groups:
     """This rank's Lins process groups, one per kind (None where the group is this rank alone)."""
 
-    def __init__(self, topo: Topology, layout: Layout):
+    def __init__(self, topo: Topology, layout: Layout, check_order: bool = False):
         self.topo, self.layout = topo, layout
         self.rank = rank()
         self.destroyed = False
+        self.issued: Optional[list] = [] if check_order else None  # what this rank issued since the last check
         self._pg: dict = {}
         self.members: dict = {}
         for kind in GROUP_KINDS:
@@ -135,6 +182,11 @@ class Groups:
                                "build a new engine to train again")
         return self._pg.get(kind)
 
+    def note(self, op: str, kind: str, t: torch.Tensor, tag: str) -> None:
+        _record(op, kind, t)
+        if self.issued is not None:
+            self.issued.append(Issued(op, kind, tag, t.numel(), str(t.dtype).replace("torch.", "")))
+
     def destroy(self) -> None:
         """Destroy this rank's groups (idempotent)."""
         for pg in self._pg.values():
@@ -144,38 +196,40 @@ class Groups:
 
 
 # --- Lins' tensor collectives ------------------------------------------------------------------------------
-def all_gather(groups: Groups, kind: str, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+def all_gather(groups: Groups, kind: str, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+               tag: str = ""):
     """Gather ``inp`` of every member into ``out`` in group order. ``inp`` may alias its slot of ``out``.
     The version counter of ``out`` is preserved: autograd may hold views of it across the gather."""
     if groups.size(kind) == 1:
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return None
-    _record("all_gather", kind, out)
+    groups.note("all_gather", kind, out, tag)
     with torch.autograd._unsafe_preserve_version_counter(out):
         return dist.all_gather_into_tensor(out, inp, group=groups.pg(kind), async_op=async_op)
 
 
-def reduce_scatter(groups: Groups, kind: str, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+def reduce_scatter(groups: Groups, kind: str, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+                   tag: str = ""):
     """Sum ``inp`` over the group; member i receives chunk i in ``out``."""
     if groups.size(kind) == 1:
         out.copy_(inp)
         return None
-    _record("reduce_scatter", kind, inp)
+    groups.note("reduce_scatter", kind, inp, tag)
     return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=groups.pg(kind), async_op=async_op)
 
 
-def all_reduce(groups: Optional[Groups], kind: str, t: torch.Tensor, op=None, async_op: bool = False):
+def all_reduce(groups: Groups, kind: str, t: torch.Tensor, op=None, async_op: bool = False, tag: str = ""):
     """Sum (or ``op``) ``t`` in place over the group kind, or over the world for kind "world"."""
     op = dist.ReduceOp.SUM if op is None else op
     if kind == "world":
         if world_size() == 1:
             return None
-        _record("all_reduce", kind, t)
+        groups.note("all_reduce", kind, t, tag)
         return dist.all_reduce(t, op=op, async_op=async_op)
     if groups.size(kind) == 1:
         return None
-    _record("all_reduce", kind, t)
+    groups.note("all_reduce", kind, t, tag)
     return dist.all_reduce(t, op=op, group=groups.pg(kind), async_op=async_op)
 
 
@@ -214,6 +268,15 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     tdist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def check_order(groups: Groups, when: str) -> None:
+    """Hold what this rank issued since the last check against every rank's (all ranks call it at the same
+    point); on a difference every rank raises ``CollectiveOrderError`` naming the first one."""
+    mine, groups.issued = groups.issued, []
+    error = first_mismatch(all_gather_object(mine))
+    if error:
+        raise CollectiveOrderError(f"lins.check_collectives ({when}): {error}")
 
 
 def agree(error: Optional[str]) -> Optional[str]:

@@ -91,11 +91,12 @@ class LinsEngine(DeepSpeedEngine):
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
         plan, summary, self._lins_solve = make_plan(self, self.lins_config, self.lins_topology, param_dtype,
                                                     accum_dtype)
-        agree_on_plan(plan)
+        check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested())
         announce(summary)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
-                                device=torch.device(self.device))
+                                device=torch.device(self.device),
+                                check_collectives=check)
         if self.lins_config.solve or self.lins_config.activation_checkpointing is not None:
             checkpointing.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),

@@ -121,6 +121,8 @@ class LinsConfig:
     unit_modules: Optional[tuple] = _rule(None, _optional(_class_names), "classes that become units")
     overlap_param_sync: bool = _rule(True, _boolean, "the paper switches this off for its comparisons")
     objective: str = _rule("step", _one_of(OBJECTIVES), "the solver's: step (what a step waits for) or comm (paper)")
+    check_collectives: bool = _rule(False, _boolean, "debug: each step, check that every rank issued the same "
+                                    "collectives in the same order (also LINS_CHECK_COLLECTIVES=1)")
 
     @property
     def solve(self) -> bool:

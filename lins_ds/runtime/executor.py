@@ -5,17 +5,27 @@ Forward:  a layer unit is gathered before its module runs (s_p > 1) while the ne
           already in flight (prefetch); it is released after its forward unless that forward is a
           recompute inside backward (activation checkpointing). The root unit is gathered before the
           model runs and kept until the end of backward.
-Backward: hooks on a layer's outputs re-gather it (and prefetch the layer before it); when every
-          parameter of a unit has its gradient, the unit's reduction starts (a ReduceScatter in flight
-          when s_g > 1, completed ``IN_FLIGHT_REDUCE_SCATTERS`` units later at most); on the
-          accumulation-boundary backward each G chunk's replica AllReduce starts as soon as it is final,
-          so it overlaps the rest of backward.
+Backward: hooks on a layer's outputs re-gather it (and prefetch the layer before it); units are
+          reduced in one fixed order, the layers last to first, the root last (``reduction_order``): a
+          unit's reduction starts (a ReduceScatter in flight when s_g > 1, completed
+          ``IN_FLIGHT_REDUCE_SCATTERS`` units later at most) once every parameter of it has its gradient
+          and every unit before it in that order has started; what is left starts, in order, when the
+          backward ends. On the accumulation-boundary backward each G chunk's replica AllReduce starts as
+          soon as it is final, so it overlaps the rest of backward.
 After the optimizer: each unit's P-sync AllGather is launched and waited for by that unit's next use
           (broadcast-forward overlap, ``lins.overlap_param_sync``).
 
 Async collectives return handles (``Work``); ``wait()`` orders the current CUDA stream after them
-without blocking the host, and on gloo waits for the background thread. Every rank issues the same
-collectives in the same order, which the ordering of these hooks guarantees for a static graph.
+without blocking the host, and on gloo waits for the background thread.
+
+Every rank issues the same collectives in the same order on each group, whatever its data leaves unused
+(docs/design.md §3, "Parameters used on some ranks only"): the reduction order is fixed, so a unit whose
+parameters got no gradient on this rank (a branch not taken, an expert no token was routed to)
+contributes zeros at its place in that order, never at another time than on the other ranks. So that
+such a unit does not hold back every unit after it until the backward ends, the first time in a backward
+that a complete unit waits behind an incomplete one, autograd is asked which parameters this backward will
+reach (as torch's ``register_multi_grad_hook`` does) and the others count as arrived. A static graph
+completes the units in order and never asks.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from ..plan.memory import IN_FLIGHT_REDUCE_SCATTERS, IN_FLIGHT_REPLICA_COPIES
@@ -33,12 +44,26 @@ def _requires_grad(out) -> list:
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def will_get_grad(param) -> bool:
+    """Inside a backward: whether it reaches ``param`` (its gradient accumulator is in the running graph)."""
+    return torch._C._will_engine_execute_node(get_gradient_edge(param).node)
+
+
+def reduction_order(root, layers: list) -> list:
+    """The one order every rank reduces its units in: the layers last to first (the order a backward
+    completes them), then the root, whose parameters stay gathered until the backward ends."""
+    return list(reversed(layers)) + ([root] if root is not None else [])
+
+
 class Executor:
     def __init__(self, module: torch.nn.Module, root, layers: list, reduce_dtype: torch.dtype):
         self.module, self.root, self.layers = module, root, layers
         self.units = ([root] if root is not None else []) + layers
         self.position = {id(u): i for i, u in enumerate(layers)}
         self.reduce_dtype = reduce_dtype
+        self.order = reduction_order(root, layers)
+        self._next = 0  # position in ``order`` of the next unit to reduce in this backward
+        self._reach_known = False  # this backward's unreachable parameters are counted as arrived
         self.in_backward = False  # between the runtime's begin_backward and post_backward
         self.boundary = False  # this backward ends an accumulation window
         self._handles = []
@@ -100,12 +125,38 @@ class Executor:
             prev.start_gather()
 
     def _on_grad(self, unit: Unit, param) -> None:
-        if unit.grad_arrived(param) and unit is not self.root:
+        if not unit.grad_arrived(param):
+            return
+        self._reduce_ready()
+        if unit is not self.root and unit.grad_state is GradState.ACCUMULATING:
+            unit.release()  # its backward is done; its reduction waits for a unit before it in ``order``
+            if not self._reach_known:  # which may be waiting for gradients that will not come
+                self._count_unreachable()
+                self._reduce_ready()
+
+    def _count_unreachable(self) -> None:
+        """Once per backward, from inside it, when a complete unit waits behind an incomplete one: in each layer
+        unit this backward reaches, the parameters it does not reach will get no gradient; count them as
+        arrived. A unit it reaches not at all is left alone (a reentrant checkpoint hides a whole layer from
+        the outer graph until its backward recomputes it)."""
+        self._reach_known = True
+        for unit in self.layers:
+            reached = [will_get_grad(s.param) for s in unit.slots]
+            if any(reached) and not all(reached):
+                unit.expect_no_grad([s.param for s, r in zip(unit.slots, reached) if not r])
+
+    def _reduce_ready(self) -> None:
+        """Reduce, in ``order``, each unit whose gradients are complete, up to the first that is not."""
+        while self._next < len(self.order):
+            unit = self.order[self._next]
+            if unit is self.root or not unit.grads_complete:
+                return
+            self._next += 1
             self.reduce(unit)
 
     # --- driven by the runtime ----------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
-        self.in_backward, self.boundary = True, boundary
+        self.in_backward, self.boundary, self._next, self._reach_known = True, boundary, 0, False
         for unit in self.units:
             unit.begin_backward()
 
@@ -160,11 +211,12 @@ class Executor:
             self._free_staging.append(staging)
 
     def post_backward(self) -> None:
-        """End of one backward: reduce every unit not reduced yet (the root unit; units with unused
-        parameters), so each unit is reduced exactly once per backward on every rank; release all."""
-        for unit in self.units:
-            if unit.grad_state is GradState.ACCUMULATING:
-                self.reduce(unit)
+        """End of one backward: reduce, in ``order``, every unit not reduced yet (the root; units with
+        parameters that got no gradient on this rank), so every rank reduces each unit exactly once per
+        backward, in the same order; release all."""
+        for unit in self.order[self._next:]:
+            self.reduce(unit)
+        self._next = len(self.order)
         self.drain()
         self._free_staging.clear()  # freed between backwards: the forward and the optimizer step need none
         self.in_backward = False

@@ -113,7 +113,7 @@ class LinsOptimizer(ZeROOptimizer):
         sq = torch.zeros((), dtype=torch.float32, device=rt.device)
         for unit in rt.units:  # accumulated in fp32 without an fp32 copy of the chunk
             sq += torch.linalg.vector_norm(unit.os_grad(), 2, dtype=torch.float32).square()
-        comm.all_reduce(None, "world", sq)  # every OS chunk is held by world/s_os replicas
+        comm.all_reduce(rt.groups, "world", sq, tag="grad-norm")  # every OS chunk is held by world/s_os replicas
         return (sq / rt.os_replicas).sqrt() * inv_scale
 
     @torch.no_grad()
@@ -121,6 +121,7 @@ class LinsOptimizer(ZeROOptimizer):
         """No host synchronisation except for fp16, whose overflow decides on the host whether to step."""
         rt = self.runtime
         rt.reduce_at_boundary()
+        rt.check_collectives()
         inv_scale = 1.0 / (rt.topo.world_size * self.cur_scale)
         norm = self._grad_norm(inv_scale)
         if self.loss_scaler is not None:

@@ -196,12 +196,16 @@ def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_d
     return fixed_plan(engine, cfg, topo, param_dtype, accum_dtype)
 
 
-def agree_on_plan(plan: Plan) -> None:
-    """Every rank must execute the same plan: compare digests, fail on every rank if they differ."""
-    digests = comm.all_gather_object(plan.digest())
+def agree_on_plan(plan: Plan, check_collectives: bool = False) -> bool:
+    """Every rank must execute the same plan: compare digests, fail on every rank if they differ. Returns
+    whether any rank asked for the collective-order check (an environment variable may reach only some
+    ranks; the check is a collective, so all of them run it)."""
+    views = comm.all_gather_object((plan.digest(), check_collectives))
+    digests = [d for d, _ in views]
     if len(set(digests)) != 1:
         raise LinsConfigError(f"lins: ranks computed different plans (digests {digests}); "
                               "check that every rank sees the same config, model and profile")
+    return any(c for _, c in views)
 
 
 def announce(summary: str) -> None:

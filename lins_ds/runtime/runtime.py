@@ -18,10 +18,11 @@ from .materialize import Materializer, is_deferred
 class LinsRuntime:
     def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, check_collectives: bool = False):
         self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
         self.module, self.overlap_param_sync = module, overlap_param_sync
-        self.groups = comm.Groups(self.topo, self.layout)
+        self.groups = comm.Groups(self.topo, self.layout, check_order=check_collectives)
+        self._checks = 0
         group_of = {}
         for gi, group in enumerate(param_groups):
             for p in group["params"]:
@@ -67,9 +68,16 @@ class LinsRuntime:
         """Every G chunk all-reduced over its replicas (launched during the last backward where possible)
         and waited for. Idempotent: the engine's boundary and the optimizer's step may both call it."""
         self._executor.drain()
-        for unit in self.units:
+        for unit in self._executor.order:
             self._executor.start_replica_reduce(unit)
         self._executor.finish_replica_reduces(self.units)
+
+    def check_collectives(self) -> None:
+        """With ``lins.check_collectives``: every rank issued the same collectives, in the same order on each
+        group, since the last check (called by every rank at each optimizer step); else nothing."""
+        if self.groups.issued is not None:
+            self._checks += 1
+            comm.check_order(self.groups, f"optimizer step {self._checks}")
 
     def zero_gradients(self) -> None:
         for unit in self.units:

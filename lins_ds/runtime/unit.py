@@ -123,7 +123,8 @@ class Unit:
         self.in_place = not self.sharded_g and accum_dtype == self.dtype
         self.accum_dtype, self._g_acc, self._grad_views = accum_dtype, None, None
         self.param_state, self.grad_state = ParamState.GATHERED, GradState.ACCUMULATING
-        self._pending: set = set()  # parameters whose gradient arrived in this backward
+        self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
+        self._no_grad: set = set()  # parameters this backward does not reach (counted in _pending)
         self._gather_work = self._sync_work = self._replica_work = None
         self._reduce = None  # (work, output, staging) of an in-flight ReduceScatter
         self._replica_tmp = None
@@ -157,7 +158,8 @@ class Unit:
         nbytes = self.spec.padded * self.full.element_size()
         if self.full.untyped_storage().size() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
-        self._gather_work = comm.all_gather(self.groups, "p", self.full, self.p_shard, async_op=True)
+        self._gather_work = comm.all_gather(self.groups, "p", self.full, self.p_shard, async_op=True,
+                                           tag=self.name)
         self.param_state = ParamState.GATHERING
 
     def wait_gather(self) -> None:
@@ -179,7 +181,8 @@ class Unit:
 
     def start_param_sync(self, async_op: bool) -> None:
         """After the optimizer: this rank's P chunk from the OS chunks of its P-sync group."""
-        work = comm.all_gather(self.groups, "p_sync", self.p_storage, self.os_params(), async_op=async_op)
+        work = comm.all_gather(self.groups, "p_sync", self.p_storage, self.os_params(), async_op=async_op,
+                               tag=self.name)
         self._sync_work = work if async_op else None
 
     def wait_param_sync(self) -> None:
@@ -218,9 +221,31 @@ class Unit:
         self._grads_attached = True
 
     def grad_arrived(self, param) -> bool:
-        """Note ``param``'s gradient; True once every parameter of the unit has one in this backward."""
+        """Note ``param``'s gradient; True once every parameter of the unit has one in this backward (or is
+        known to get none)."""
+        if param in self._no_grad:
+            self._late_grad(param)
         self._pending.add(param)
+        return self.grads_complete
+
+    @property
+    def grads_complete(self) -> bool:
         return len(self._pending) == len(self.slots)
+
+    def expect_no_grad(self, params: list) -> None:
+        """This backward will not reach ``params``: count them as arrived (their gradient here is zero)."""
+        self._no_grad.update(params)
+        self._pending.update(params)
+
+    def _late_grad(self, param) -> None:
+        name = next(s.name for s in self.slots if s.param is param)
+        if self.grad_state is not GradState.ACCUMULATING:
+            raise RuntimeError(
+                f"lins: parameter {name} got a gradient after unit {self.name} was reduced: autograd said this "
+                "backward would not reach it. Part of the unit's forward ran where the graph could not see it "
+                "(a reentrant checkpoint around part of a layer?); checkpoint whole layers, or use "
+                "use_reentrant=False")
+        self._no_grad.discard(param)
 
     def begin_backward(self) -> None:
         if not self._grads_attached:
@@ -233,6 +258,7 @@ class Unit:
         place where the gradients are views into it), else a ReduceScatter launched now, staged in
         ``staging``. True when a ReduceScatter is in flight (``finish_reduce`` completes it)."""
         self._pending.clear()
+        self._no_grad.clear()
         if self.in_place:
             self._adopt_grads()
             self.grad_state = GradState.REDUCED
@@ -243,7 +269,7 @@ class Unit:
             self.grad_state = GradState.REDUCED
             return False
         out = torch.empty(self.spec.g_size, dtype=self.reduce_dtype, device=self.device)
-        work = comm.reduce_scatter(self.groups, "g", out, flat, async_op=True)
+        work = comm.reduce_scatter(self.groups, "g", out, flat, async_op=True, tag=self.name)
         self._reduce = (work, out)
         self.grad_state = GradState.REDUCING
         return True
@@ -265,7 +291,7 @@ class Unit:
         if self.groups.size("g_replica") > 1:
             tmp = None if self.g_acc.dtype == self.reduce_dtype else self.g_acc.to(self.reduce_dtype)
             self._replica_work = comm.all_reduce(self.groups, "g_replica", self.g_acc if tmp is None else tmp,
-                                                 async_op=True)
+                                                 async_op=True, tag=self.name)
             self._replica_tmp = tmp
         self.grad_state = GradState.REPLICA_REDUCED
         return self._replica_tmp is not None
@@ -282,6 +308,7 @@ class Unit:
         if self._g_acc is not None:
             self._g_acc.zero_()
         self._pending.clear()
+        self._no_grad.clear()
         self.grad_state = GradState.ACCUMULATING
 
     def wait_all(self) -> None:
