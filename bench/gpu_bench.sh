@@ -5,9 +5,9 @@
 set -uo pipefail
 OUT=${OUT:-bench/out}; W=bench/out/run; mkdir -p "$OUT" "$W"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-python3 -m lins_ds.cli bench --model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 10 \
+python3 -m bench run --model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 10 \
     --warmup-steps 3 --loss-steps 50 --memory-budget-gb 22 --out "$W" 2>&1 | grep -v "Warning\|warn("
-NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4 torchrun --nproc_per_node 2 -m lins_ds.cli profile \
+NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4 torchrun --nproc_per_node 2 -m bench profile \
     --gpus-per-node 1 --out "$W/profile_2nodes.json" --validate --model llama-1b --seq-len 2048 \
     --micro-batch-size 2 --grad-accum 2 2>&1 | grep -E "prediction vs|measured "
 cp "$W/bench.json" "$W/throughput.png" "$W/loss.png" "$OUT/" 2>/dev/null

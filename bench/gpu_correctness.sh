@@ -10,13 +10,13 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 STEPS=${STEPS:-30}
 run() { torchrun --nproc_per_node 2 --master_port $((29500 + RANDOM % 1000)) "$@"; }
 for cfg in zero1 lins_replicated lins_as_zero1 lins_as_zero3; do
-  run examples/train_llama.py --deepspeed_config ds_configs/$cfg.json --model 1b --seq-len 1024 \
+  run -m bench.train --deepspeed_config ds_configs/$cfg.json --model 1b --seq-len 1024 \
       --steps "$STEPS" --out "$OUT/loss_$cfg.json" 2>&1 | grep -E "^step|Lins plan|Error|error" | tail -4
 done
-run -m lins_ds.cli profile --out "$OUT/profile_1host.json" --validate --model llama-1b --seq-len 1024 \
+run -m bench profile --out "$OUT/profile_1host.json" --validate --model llama-1b --seq-len 1024 \
     --micro-batch-size 2 2>&1 | grep -v "^\[\|lins profile:" | tail -30
-run -m lins_ds.cli profile --quick --out "$OUT/profile_1host_quick.json" 2>&1 | grep "measured"
+run -m bench profile --quick --out "$OUT/profile_1host_quick.json" 2>&1 | grep "measured"
 export NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
-run -m lins_ds.cli profile --gpus-per-node 1 --out "$OUT/profile_2nodes.json" --validate --model llama-1b \
+run -m bench profile --gpus-per-node 1 --out "$OUT/profile_2nodes.json" --validate --model llama-1b \
     --seq-len 1024 --micro-batch-size 2 2>&1 | grep -v "^\[\|lins profile:" | tail -30
-run -m lins_ds.cli profile --gpus-per-node 1 --quick --out "$OUT/profile_2nodes_quick.json" 2>&1 | grep "measured"
+run -m bench profile --gpus-per-node 1 --quick --out "$OUT/profile_2nodes_quick.json" 2>&1 | grep "measured"

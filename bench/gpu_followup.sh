@@ -5,7 +5,7 @@ set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 COMMON="--model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 10 --warmup-steps 3"
-tr() { torchrun --nproc_per_node 2 --master_port $((29500 + RANDOM % 500)) examples/train_llama.py "$@"; }
+tr() { torchrun --nproc_per_node 2 --master_port $((29500 + RANDOM % 500)) -m bench.train "$@"; }
 for cfg in zero1 lins; do  # lins.json now has "objective": "step" (then ds_configs/lins_step.json)
   tr --deepspeed_config ds_configs/$cfg.json $COMMON --out "$OUT/host_$cfg.json" 2>&1 | grep -E "Lins plan|^  (P|G|OS) \(" ; done
 export NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4

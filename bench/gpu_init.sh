@@ -7,7 +7,7 @@ OUT=${OUT:-bench/out}; W=bench/out/init; mkdir -p "$OUT" "$W"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-python3 -m lins_ds.cli bench --model 13b --seq-len 2048 --micro-batch-size 1 --grad-accum 1 --steps 6 --warmup-steps 1 \
+python3 -m bench run --model 13b --seq-len 2048 --micro-batch-size 1 --grad-accum 1 --steps 6 --warmup-steps 1 \
   --loss-steps 6 --modes zero3,lins_as_zero3 --topologies host --no-no-comm-limit --out "$W" 2>&1 \
   | grep -E "^\[bench\]|^mode|^(zero3|lins_as_zero3) |start-up|Error"
 cp "$W/bench.json" "$OUT/init.json" 2>/dev/null; cp "$W/host_zero3.json" "$W/host_lins_as_zero3.json" "$OUT/" 2>/dev/null

@@ -6,10 +6,10 @@ set -uo pipefail
 OUT=${OUT:-bench/out}; W=bench/out/issue9; mkdir -p "$OUT" "$W"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-python3 -m lins_ds.cli bench --model 7b --seq-len 2048 --micro-batch-size 1 --grad-accum 4 --steps 8 \
+python3 -m bench run --model 7b --seq-len 2048 --micro-batch-size 1 --grad-accum 4 --steps 8 \
     --warmup-steps 3 --loss-steps 8 --memory-budget-gb 80 --topologies emulated \
     --emulated-gpus-per-node $((NGPU / 2)) --modes zero1,zero3,zeropp,mics,lins --out "$W" 2>&1 | grep -v "Warning"
-NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4 torchrun --nproc_per_node "$NGPU" -m lins_ds.cli profile \
+NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4 torchrun --nproc_per_node "$NGPU" -m bench profile \
     --gpus-per-node $((NGPU / 2)) --quick --out "$W/profile.json" --validate --model llama-7b --seq-len 2048 \
     --micro-batch-size 1 --grad-accum 4 2>&1 | grep -E "prediction vs|measured "
 cp "$W/bench.json" "$W/throughput.png" "$OUT/" 2>/dev/null

@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 if [ "$MODEL" = 7b ]; then BATCH="--micro-batch-size 1 --grad-accum 4 --steps 3 --budget-gb 80"
 else BATCH="--micro-batch-size 2 --grad-accum 4 --steps 4"; fi
-python3 -m lins_ds.cli memory-bench --model "$MODEL" --seq-len 2048 $BATCH ${RUNS:+--runs $RUNS} --out "$W" 2>&1 \
+python3 -m bench memory --model "$MODEL" --seq-len 2048 $BATCH ${RUNS:+--runs $RUNS} --out "$W" 2>&1 \
   | grep -v "Warning\|warn(" | grep -E "^\[|^run|^[a-z0-9-]+ +(DeepSpeed|P=)|memory-bench|Error" 
 cp "$W/$MODEL.json" "$W/$MODEL.png" "$OUT/" 2>/dev/null
 tar czf "$OUT/memory_$MODEL.tgz" -C "$W" .

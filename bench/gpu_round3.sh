@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-bench/out}; W=bench/out/r3; mkdir -p "$OUT" "$W"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-B="python3 -m lins_ds.cli bench --model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 10 --warmup-steps 3 --loss-steps 10 --no-no-comm-limit"
+B="python3 -m bench run --model 1b --seq-len 2048 --micro-batch-size 2 --grad-accum 2 --steps 10 --warmup-steps 3 --loss-steps 10 --no-no-comm-limit"
 for m in lins_as_zero2 zero0 lins; do $B --topologies emulated --modes $m --out "$W/emulated_$m" 2>&1 | grep --line-buffered "^\[bench\]\|Error"; done
 $B --topologies host --modes zero1 --memory-budget-gb 20 --out "$W/host" 2>&1 | grep --line-buffered "^\[bench\]\|Error\|lins-budget"
 tar czf "$OUT/r3.tgz" -C "$W" .

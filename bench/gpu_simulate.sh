@@ -4,7 +4,7 @@
 # One size per device call (each fits its 10 minutes); results come back as one tarball per size.
 #   bash bench/gpu_simulate.sh 1b      # then: tar xzf sim_1b.tgz -C bench/results/simulate/<lease>/
 # "1b-loaded": the one-host 1B runs of ZeRO-1, the ZeRO-3 family and Lins while every core also runs a busy loop
-# (a slower host, measured by each run's lins_ds.profiler.host probe: what the simulator's fetch cost scales by).
+# (a slower host, measured by each run's bench/host.py probe: what the simulator's fetch cost scales by).
 # "1b-1gpu": every mode on ONE GPU (one rank: DeepSpeed's stage-3 fetches gather nothing, only their hooks run, so
 # ZeRO-3 minus ZeRO-0 is the hooks' cost alone); "1b-1gpu-half" / "1b-1gpu-loaded": ZeRO-0, ZeRO-3 and MiCS there
 # with half / all of the cores also running a busy loop (does the hooks' cost follow the host probe?).
@@ -18,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 MODES=zero0,zero1,zero2,zero3,zeropp,mics,lins
-STEPS_1B="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2"  # examples/train_llama.py's too
+STEPS_1B="--micro-batch-size 2 --grad-accum 2 --steps 5 --warmup-steps 2"  # bench/train.py's too
 ARGS_1B="$STEPS_1B --loss-steps 5"
 ONE_GPU="--topologies host --nproc 1 --no-no-comm-limit"
 busy_loops() { for _ in $(seq "$1"); do python3 -c "while True: pass" & done; }
@@ -50,7 +50,7 @@ for size in "$@"; do
     1b-1gpu-loaded) grid="--modes zero0,zero3,mics $ONE_GPU"; busy_loops "$(nproc)";;
     trace-2gpu) mkdir -p "$dir"
         for ds in zero3 zeropp mics; do  # --gpus-per-node 2: hpZ and MiCS groups of the host, as the bench's runs
-          timeout 150 torchrun --nproc_per_node 2 examples/train_llama.py --deepspeed_config ds_configs/$ds.json \
+          timeout 150 torchrun --nproc_per_node 2 -m bench.train --deepspeed_config ds_configs/$ds.json \
               --model 1b --seq-len 2048 $STEPS_1B --gpus-per-node 2 \
               --out "$dir/1b_$ds.json" --trace-summary "$dir/trace_1b_$ds.txt" \
               2>&1 | grep -vE "Warning|warn\(" | tail -3
@@ -59,7 +59,7 @@ for size in "$@"; do
     *) echo "gpu_simulate.sh: unknown size $size (1b, 7b, 1b-loaded, 1b-1gpu, 1b-1gpu-half, 1b-1gpu-loaded, wide-1gpu, trace-2gpu)"; exit 2;;
   esac
   model=${size%%-*}; [ "$model" = wide ] && model=bench/models/llama-7b-width-8-layers.json
-  timeout ${BENCH_TIMEOUT:-540} python3 -m lins_ds.cli bench --model "$model" --seq-len 2048 $args \
+  timeout ${BENCH_TIMEOUT:-540} python3 -m bench run --model "$model" --seq-len 2048 $args \
       $grid --out "$dir" 2>&1 | grep -vE "Warning|warn\(" | tail -40
   [ -n "$(jobs -p)" ] && { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
   show "$dir"; pack "$dir"

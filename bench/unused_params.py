@@ -1,6 +1,6 @@
 """Parameters used on some ranks only: torch DDP, Lins and DeepSpeed's own stages side by side (CPU, 2 gloo ranks).
 
-    python bench/unused_params.py [--out bench/results/unused_params]
+    python -m bench unused-params [--out bench/results/unused_params]
 
 The model and data are the tests' (``tests/test_unused_params.py``): six blocks, block i running its side branch
 on rank i % 2 only; gas 1, no clipping, AdamW lr 1e-2, fp32. Prints each run's loss at steps 0..3 (mean over
@@ -17,9 +17,9 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the model, data and DDP oracle are the tests' own
 import lins_ds  # noqa: E402,F401  (routes deepspeed.initialize to LinsEngine for configs with a lins block)
-from distributed import run  # noqa: E402
+from helpers import run  # noqa: E402
 from test_unused_params import (ALL_SHARDED, G_SHARDED, LR, REPLICATED, STEPS, build, ddp_run,  # noqa: E402
                                 max_diff, mean_over_ranks, param_groups, side_batch)
 
@@ -58,10 +58,11 @@ def all_runs():
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "unused_params"))
-    args = ap.parse_args()
+
+
+def main(args) -> None:
     import deepspeed
 
     rows = run(all_runs, 2, gpus_per_node=2)[0]
@@ -74,11 +75,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "unused_params.json")
     with open(path, "w") as f:
-        json.dump({"versions": versions, "command": "python bench/unused_params.py",
+        json.dump({"versions": versions, "command": "python -m bench unused-params",
                    "runs": [{"run": label, "losses": losses, "max_weight_diff_from_ddp": diff}
                             for label, losses, diff in rows]}, f, indent=1)
     print(f"written {path}")
-
-
-if __name__ == "__main__":
-    main()

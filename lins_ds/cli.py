@@ -43,6 +43,23 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="table", choices=["table", "json"])
 
 
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``lins-ds profile`` (also ``python -m bench profile``'s)."""
+    p.add_argument("--out", help="write the table here (default: the cache file for this launch)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (what engine start-up runs)")
+    p.add_argument("--gpus-per-node", type=int, help="emulate nodes of L GPUs on one host (NCCL_HOSTID)")
+    p.add_argument("--max-mb", type=float, help="largest message in MiB")
+    p.add_argument("--validate", action="store_true", help="also time every candidate plan's collectives "
+                    "on their real groups and report prediction error")
+    p.add_argument("--memory", action="store_true", help="also measure the activation memory of --model (one "
+                    "layer unit and the head, as the engine does at start-up) and cache it beside the profiles")
+    p.add_argument("--model", default="llama-1b", help="with --validate / --memory: the model (a built-in name)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="with --memory")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import plan as P
     from .plan import cost, report
@@ -123,24 +140,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from .tools.simulate_cli import run
-
-    return run(args)
-
-
-def cmd_memory_bench(args: argparse.Namespace) -> int:
-    from .tools.memory_bench import main as memory_bench_main
-
-    return memory_bench_main(args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .tools.bench import main as bench_main
-
-    return bench_main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lins-ds", description="Lins: independent P/G/OS sharding for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -149,23 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     d = sub.add_parser("demo", help="CPU demo: 4 gloo processes as 2 nodes x 2 train a tiny LLaMA under Lins")
     d.add_argument("--steps", type=int, default=30)
-    d.add_argument("--nproc", type=int, default=4, choices=[4], help="processes (2 emulated nodes x 2)")
-    d.add_argument("--master-port", type=int, default=29533)
     d.set_defaults(func=cmd_demo)
     pr = sub.add_parser("profile", help="measure collective bandwidth per mesh (run on every rank under torchrun)")
-    pr.add_argument("--out", help="write the table here (default: the cache file for this launch)")
-    pr.add_argument("--quick", action="store_true", help="fewer sizes and repeats (what engine start-up runs)")
-    pr.add_argument("--gpus-per-node", type=int, help="emulate nodes of L GPUs on one host (NCCL_HOSTID)")
-    pr.add_argument("--max-mb", type=float, help="largest message in MiB")
-    pr.add_argument("--validate", action="store_true", help="also time every candidate plan's collectives "
-                    "on their real groups and report prediction error")
-    pr.add_argument("--memory", action="store_true", help="also measure the activation memory of --model (one "
-                    "layer unit and the head, as the engine does at start-up) and cache it beside the profiles")
-    pr.add_argument("--model", default="llama-1b", help="with --validate / --memory: the model (a built-in name)")
-    pr.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="with --memory")
-    pr.add_argument("--seq-len", type=int, default=2048)
-    pr.add_argument("--micro-batch-size", type=int, default=1)
-    pr.add_argument("--grad-accum", type=int, default=1)
+    add_profile_arguments(pr)
     pr.set_defaults(func=cmd_profile)
     c = sub.add_parser("consolidate", help="full weights from a Lins checkpoint as HF safetensors")
     c.add_argument("ckpt_dir")
@@ -180,50 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
     cv.add_argument("--to", default="deepspeed-universal", choices=["deepspeed-universal"])
     cv.set_defaults(func=cmd_convert)
-    si = sub.add_parser("simulate", help="predict MFU of Lins and the DeepSpeed baselines at any scale; fit and "
-                        "check the simulator against GPU runs (--fit, --validate)")
-    si.add_argument("--model", help="required unless --fit or --validate")
-    si.add_argument("--nodes", type=int, default=1)
-    si.add_argument("--gpus-per-node", type=int, help="required unless --fit or --validate")
-    si.add_argument("--seq-len", type=int, help="required unless --fit or --validate")
-    si.add_argument("--micro-batch-size", type=int, help="required unless --fit or --validate")
-    si.add_argument("--global-batch-tokens", type=int, help="required unless --fit or --validate")
-    si.add_argument("--gpu-memory-gb", type=float)
-    si.add_argument("--cluster", help="built-in cluster (default a800-ib; with fitted terms, the cluster they were "
-                    "fitted on; h200-emulated for --fit): its timing table and compute model; with --profile only "
-                    "its compute model (peak FLOP/s, memory bandwidth)")
-    si.add_argument("--profile", help="measured table from lins-ds profile for the collectives (the real host's, "
-                    "with --fit/--validate); terms that --fit stored in it are applied")
-    si.add_argument("--emulated-profile", help="with --fit/--validate: the measured table of the emulated nodes")
-    si.add_argument("--calibration", help="a profile written by --fit whose fitted terms to apply (e.g. to the "
-                    "paper's setting with --cluster)")
-    si.add_argument("--fit", nargs="+", metavar="BENCH_JSON", help="fit the per-system terms to these lins-ds "
-                    "bench results, print predicted next to measured (with leave-one-out) and write --out")
-    si.add_argument("--validate", nargs="+", metavar="BENCH_JSON", help="predicted next to measured step, "
-                    "communication and peak memory for the runs in these bench results, with the fitted terms")
-    si.add_argument("--out", help="with --fit: where to write the profile with the fitted terms")
-    si.add_argument("--systems", default="zero1,zero2,zero3,zeropp,mics,lins")
-    si.add_argument("--efficiency", type=float, help="compute efficiency; default: calibrated (see output)")
-    si.add_argument("--sweep-nodes", help="comma-separated node counts, e.g. 1,2,4,...,128")
-    si.add_argument("--plot", help="PNG of MFU against GPUs (with --sweep-nodes)")
-    si.add_argument("--format", default="table", choices=["table", "json"])
-    si.set_defaults(func=cmd_simulate)
-    b = sub.add_parser("bench", help="every DeepSpeed mode and Lins side by side (GPUs; one command)")
-    from .tools.bench import add_arguments
-
-    add_arguments(b)
-    b.set_defaults(func=cmd_bench)
-    mb = sub.add_parser("memory-bench", help="predicted next to measured peak memory, Lins and DeepSpeed (GPUs)")
-    from .tools.memory_bench import add_arguments as add_memory_bench_arguments
-
-    add_memory_bench_arguments(mb)
-    mb.set_defaults(func=cmd_memory_bench)
     return parser
+
+
+MOVED = {"bench": "run", "memory-bench": "memory", "simulate": "simulate"}  # to the repository's bench package
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .plan import PlanError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MOVED:
+        print(f"lins-ds {argv[0]}: moved out of the installed package; from a clone of the repository run "
+              f"`python -m bench {MOVED[argv[0]]} ...` (bench/README.md)", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -64,6 +64,12 @@ def local_world_size() -> int:
     return 1
 
 
+def set_virtual_node(gpus_per_node: int) -> None:
+    """Give this process the NCCL_HOSTID of its virtual node (docs/design.md §11): NCCL then uses its network
+    transport between virtual nodes of ``gpus_per_node`` ranks on one host. Before the process group exists."""
+    os.environ["NCCL_HOSTID"] = f"lins-virtual-node-{int(os.environ.get('RANK', '0')) // gpus_per_node}"
+
+
 # --- recording (tests and validation) -------------------------------------------------------------------
 @dataclass
 class Recorder:

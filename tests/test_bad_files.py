@@ -4,16 +4,13 @@ CLI, nothing the user saved changed. And checkpoints of other kinds are called w
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lins_ds  # noqa: F401,E402
-from distributed import run  # noqa: E402
-from test_checkpoint import PLAN_A, make_engine, steps  # noqa: E402
-from test_engine_features import bad_config  # noqa: E402
+import lins_ds  # noqa: F401
+from helpers import bad_config, ckpt_steps as steps, make_ckpt_engine as make_engine, run
+from test_checkpoint import PLAN_A
 
 transformers = pytest.importorskip("transformers")
 NOT_UTF8 = b"\xff\xfe\x00binary \x80\x81 not text"

@@ -1,20 +1,18 @@
-"""`lins-ds bench` end to end on CPU: every shipped config it runs, side by side, JSON and PNG out."""
+"""The benchmark (``python -m bench``) end to end on CPU: shipped configs side by side, JSON and PNG out."""
 
 import json
-import os
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+import pytest
+
+from helpers import launch
 
 
+@pytest.mark.slow
 def test_bench_runs_baselines_and_lins_plans_side_by_side(tmp_path):
-    cmd = [sys.executable, "-m", "lins_ds.cli", "bench", "--nproc", "2", "--model", "tiny", "--seq-len", "32",
-           "--steps", "3", "--warmup-steps", "1", "--loss-steps", "3", "--topologies", "host",
-           "--modes", "zero1,lins,lins_as_zero2", "--no-no-comm-limit", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    launch([sys.executable, "-m", "bench", "run", "--nproc", "2", "--model", "tiny", "--seq-len", "32", "--steps",
+            "3", "--warmup-steps", "1", "--loss-steps", "3", "--topologies", "host", "--modes",
+            "zero1,lins,lins_as_zero2", "--no-no-comm-limit", "--out", str(tmp_path)])
     with open(tmp_path / "bench.json") as f:
         table = json.load(f)["table"]["host"]
     rows = {row["mode"]: row for row in table["rows"]}
@@ -25,12 +23,11 @@ def test_bench_runs_baselines_and_lins_plans_side_by_side(tmp_path):
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_memory_bench_writes_predicted_and_measured_rows(tmp_path):
-    cmd = [sys.executable, "-m", "lins_ds.cli", "memory-bench", "--nproc", "2", "--model", "tiny", "--seq-len", "32",
-           "--micro-batch-size", "2", "--grad-accum", "2", "--steps", "2", "--runs",
-           "zero1,lins-zero1-layout,lins-partial-ckpt", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    launch([sys.executable, "-m", "bench", "memory", "--nproc", "2", "--model", "tiny", "--seq-len", "32",
+            "--micro-batch-size", "2", "--grad-accum", "2", "--steps", "2", "--runs",
+            "zero1,lins-zero1-layout,lins-partial-ckpt", "--out", str(tmp_path)])
     with open(tmp_path / "tiny.json") as f:
         rows = {row["run"]: row for row in json.load(f)["rows"]}
     assert set(rows) == {"zero1", "lins-zero1-layout", "lins-partial-ckpt"}
@@ -42,7 +39,7 @@ def test_memory_bench_writes_predicted_and_measured_rows(tmp_path):
 
 
 def test_a_failed_run_is_named_by_its_exception_else_by_the_rank_that_aborted():
-    from lins_ds.tools.bench import failure
+    from bench.run import failure
 
     launcher = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\n"
                 "  exitcode  : -6 (pid: 27767)  (SIGABRT)\n=====")
@@ -52,3 +49,10 @@ def test_a_failed_run_is_named_by_its_exception_else_by_the_rank_that_aborted():
     peer = "terminate called after throwing an instance of 'gloo::IoException'\n  what():  Connection closed by peer\n"
     assert failure(raised + peer + launcher) == "ValueError: lins.plan: bad"  # the cause, not the peer's abort
     assert failure("just a line\n") == "just a line"
+
+
+def test_the_moved_commands_say_where_they_went(capsys):
+    from lins_ds.cli import main
+
+    assert main(["bench", "--model", "1b"]) == 2
+    assert "python -m bench run" in capsys.readouterr().err

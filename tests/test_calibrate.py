@@ -1,4 +1,4 @@
-"""The simulator's fitted terms (tools/calibrate.py, lins-ds simulate --fit / --validate / --calibration): pure
+"""The simulator's fitted terms (bench/calibrate.py, python -m bench simulate --fit / --validate / --calibration): pure
 Python on synthetic bench results whose steps come from known terms."""
 
 import json
@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from lins_ds.cli import main
+from bench.__main__ import main
 from lins_ds.plan import Factor, Layout, PlanError, Topology, candidates, get_cluster
 from lins_ds.plan.cost import required_meshes
-from lins_ds.tools import calibrate as C
-from lins_ds.tools.simulate import Overheads
+from bench import calibrate as C
+from bench.simulate import Overheads
 
 TRUE = Overheads({"zero0": {"comm_factor": 1.2, "update_factor": 3.0},
                   "zero1": {"comm_factor": 1.1, "update_factor": 3.0},
@@ -167,7 +167,7 @@ def test_fetch_cost_follows_each_runs_measured_host(tmp_path):
 def test_bench_result_errors_name_the_file(tmp_path):
     bad = tmp_path / "bench.json"
     bad.write_text(json.dumps({"table": {"host": {"rows": [{"mode": "zero1"}]}}}))
-    with pytest.raises(PlanError, match="bench.json: not a lins-ds bench result"):
+    with pytest.raises(PlanError, match="bench.json: not a python -m bench run result"):
         C.load_runs(str(bad))
     bench = json.loads(open(_bench(tmp_path / "b.json", "1b")).read())
     bench["grad_accum"] = 4  # rows say 4 samples per GPU per step: 2 x 4 does not match

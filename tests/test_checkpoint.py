@@ -2,53 +2,18 @@
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lins_ds  # noqa: F401,E402
-from distributed import run  # noqa: E402
-from test_engine_parity import MB, batch, tiny_llama  # noqa: E402
+import lins_ds  # noqa: F401
+from helpers import batch, ckpt_config as config, make_ckpt_engine as make_engine, ckpt_steps as steps, max_err, run
 
 transformers = pytest.importorskip("transformers")
 K = 2  # steps before and after the checkpoint
 PLAN_A = {"p": [1, 1], "g": [2, 1], "os": [2, 2]}
 PLAN_B = {"p": [2, 2], "g": [2, 2], "os": [2, 2]}
 PLAN_2RANKS = {"p": [1, 1], "g": [1, 1], "os": [2, 1]}
-
-
-def config(plan, world, gpus_per_node):
-    gas = 8 // world  # the same global batch of 8 micro-batches on 4 or 2 ranks
-    return {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": 0}, "steps_per_print": 1000,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "torch_adam": True}},
-            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
-                                                              "warmup_num_steps": 2, "total_num_steps": 10}},
-            "lins": {"plan": plan, "gpus_per_node": gpus_per_node}}
-
-
-def steps(engine, first, count):
-    """Steps ``first`` .. ``first + count - 1`` of one fixed global batch sequence, whatever the world size."""
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    gas, states = 8 // world, []
-    for step in range(first, first + count):
-        for micro in range(gas):
-            g = rank * gas + micro  # global micro-batch index 0..7
-            x = batch(step, g % 2, g // 2, 96)
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            engine.step()
-        states.append(({k: v.clone() for k, v in engine.module.state_dict().items()}, engine.get_lr()[0]))
-    return states
-
-
-def make_engine(plan, gpus_per_node):
-    import deepspeed
-
-    world = torch.distributed.get_world_size()
-    engine, *_ = deepspeed.initialize(model=tiny_llama(), config=config(plan, world, gpus_per_node))
-    return engine
 
 
 def uninterrupted(plan):
@@ -75,20 +40,22 @@ def second_half(ckpt, plan, gpus_per_node):
     return path, client, counters, out
 
 
-def max_err(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+def save_and_resume_on_four_ranks(ckpt):
+    """The uninterrupted run, the first half saved, and its resumes on two plans: one set of 4 ranks."""
+    ref = uninterrupted(PLAN_A)
+    listing = first_half(ckpt, PLAN_A)
+    return ref, listing, [second_half(ckpt, plan, 2) for plan in (PLAN_A, PLAN_B)]
 
 
 def test_resume_on_other_plans_and_world_sizes_continues_the_same_trajectory(tmp_path):
-    ref = run(uninterrupted, 4, PLAN_A, gpus_per_node=2)[0]
     ckpt = str(tmp_path / "ckpt")
-    listing = run(first_half, 4, ckpt, PLAN_A, gpus_per_node=2)[0]
+    ref, listing, resumed = run(save_and_resume_on_four_ranks, 4, ckpt, gpus_per_node=2)[0]
     assert listing == ["global_step2", "latest"]
-    for plan, world, gpn in ((PLAN_A, 4, 2), (PLAN_B, 4, 2), (PLAN_2RANKS, 2, 2)):
-        path, client, (gsteps, lr), out = run(second_half, world, ckpt, plan, gpn, gpus_per_node=gpn)[0]
+    resumed.append(run(second_half, 2, ckpt, PLAN_2RANKS, 2, gpus_per_node=2)[0])
+    for (path, client, (gsteps, lr), out), plan in zip(resumed, ("A", "B", "2 ranks")):
         assert path.endswith("global_step2") and client == {"note": "hello", "k": K} and gsteps == K
         for (state, lr_now), (ref_state, ref_lr) in zip(out, ref):
-            assert max_err(state, ref_state) <= 1e-6, (plan, world)
+            assert max_err(state, ref_state) <= 1e-6, plan
             assert lr_now == pytest.approx(ref_lr)
 
 

@@ -1,16 +1,15 @@
 """LinsEngine features a DeepSpeed user relies on, each checked against DeepSpeed itself or a reference."""
 
-import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lins_ds  # noqa: F401,E402
-from distributed import run  # noqa: E402
-from test_engine_parity import (ALL_PLANS, GAS, STEPS, WORLD, GPUS_PER_NODE, batch, param_groups,  # noqa: E402
-                                reference, tiny_llama)
+import lins_ds  # noqa: F401
+from helpers import (GPUS_PER_NODE, MODELS, WORLD, allow_fp16_on_this_cpu, bad_config, batch, config, max_err,
+                     param_groups, reference, run, state, tiny_llama, train)
+from lins_ds.runtime.unit import ParamState
+from test_engine_parity import ALL_PLANS
 
 transformers = pytest.importorskip("transformers")
 P_SHARDED = {"p": [2, 1], "g": [2, 2], "os": [2, 2]}
@@ -18,40 +17,10 @@ ALL_SHARDED = {"p": [2, 2], "g": [2, 2], "os": [2, 2]}
 REPLICATED = {"p": [1, 1], "g": [1, 1], "os": [1, 1]}
 
 
-def config(lins=None, **extra):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
-           "zero_optimization": {"stage": 0}, "steps_per_print": 1000}
-    if lins is not None:
-        cfg["lins"] = {"gpus_per_node": GPUS_PER_NODE, **lins}
-    cfg.update(extra)
-    return cfg
-
-
-def train(engine, vocab=96, steps=STEPS, after_step=None):
-    rank = torch.distributed.get_rank()
-    out = []
-    for step in range(steps):
-        for micro in range(GAS):
-            x = batch(step, micro, rank, vocab)
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            engine.step()
-        out.append(after_step(engine) if after_step else None)
-    return out
-
-
-def state(engine):
-    return {k: v.float().clone() for k, v in engine.module.state_dict().items()}
-
-
-def max_err(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
-
-
 # --- bf16 -------------------------------------------------------------------------------------
-def bf16_errors(plans, accum=None):
+def bf16_errors(ref, plans, accum=None):
     import deepspeed
 
-    ref = reference(tiny_llama, 96)
     errs = {}
     bf16 = dict(bf16={"enabled": True}, **({"data_types": {"grad_accum_dtype": accum}} if accum else {}))
     runs = [("zero1", config(zero_optimization={"stage": 1}, **bf16))]
@@ -66,7 +35,7 @@ def bf16_errors(plans, accum=None):
 
 
 def test_bf16_every_plan_within_zero1_bf16_tolerance():
-    errs = run(bf16_errors, WORLD, ALL_PLANS, gpus_per_node=GPUS_PER_NODE)[0]
+    errs = run(bf16_errors, WORLD, reference("llama"), ALL_PLANS, gpus_per_node=GPUS_PER_NODE)[0]
     zero1 = errs.pop("zero1")
     assert zero1 > 0
     for plan, err in errs.items():
@@ -75,7 +44,8 @@ def test_bf16_every_plan_within_zero1_bf16_tolerance():
 
 def test_bf16_with_fp32_gradient_accumulation_within_zero1_tolerance():
     """data_types.grad_accum_dtype fp32: DeepSpeed's BF16_Optimizer for ZeRO-1, fp32 g_acc for Lins."""
-    errs = run(bf16_errors, WORLD, [P_SHARDED, ALL_SHARDED, REPLICATED], "fp32", gpus_per_node=GPUS_PER_NODE)[0]
+    errs = run(bf16_errors, WORLD, reference("llama"), [P_SHARDED, ALL_SHARDED, REPLICATED], "fp32",
+               gpus_per_node=GPUS_PER_NODE)[0]
     zero1 = errs.pop("zero1")
     assert zero1 > 0
     for plan, err in errs.items():
@@ -83,18 +53,6 @@ def test_bf16_with_fp32_gradient_accumulation_within_zero1_tolerance():
 
 
 # --- fp16 dynamic loss scaling ---------------------------------------------------------------------
-def allow_fp16_on_this_cpu() -> None:
-    """DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU (AVX-512 FP16 /
-    AMX); AVX2-only hosts say "Type fp16 is not supported on your device". These tests run no oneDNN fp16
-    kernel (torch's own half kernels exist on every CPU), so lift that gate, for the test process only,
-    to make the result independent of the host CPU."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if acc.device_name() == "cpu" and not acc.is_fp16_supported():
-        acc.is_fp16_supported = lambda: True
-
-
 def fp16_run(plan):
     import deepspeed
 
@@ -160,28 +118,15 @@ def test_config_optimizer_and_schedulers():
 
 
 # --- gradient checkpointing, GPT-2, eval/no_grad ------------------------------------------------------
-def tiny_gpt2():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg)
+HF_MODELS = ("llama-ckpt", "llama-ckpt-nonreentrant", "gpt2-ckpt")
 
 
-def checkpointed(make, reentrant):
-    def build():
-        m = make()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        return m
-    return build
-
-
-def hf_models(plans):
+def hf_models(refs, plans):
     import deepspeed
 
     out = []
-    for label, make in (("llama-ckpt", checkpointed(tiny_llama, True)), ("llama-ckpt-nonreentrant",
-                        checkpointed(tiny_llama, False)), ("gpt2-ckpt", checkpointed(tiny_gpt2, True))):
-        ref = reference(make, 96)
+    for label in HF_MODELS:
+        make, ref = MODELS[label][0], refs[label]
         for plan in plans:
             model = make()
             engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
@@ -206,7 +151,8 @@ def hf_models(plans):
 
 
 def test_hf_models_with_gradient_checkpointing_and_eval():
-    for label, plan, err, eval_err in run(hf_models, WORLD, [P_SHARDED, ALL_SHARDED], gpus_per_node=GPUS_PER_NODE)[0]:
+    refs = {label: reference(label) for label in HF_MODELS}
+    for label, plan, err, eval_err in run(hf_models, WORLD, refs, [P_SHARDED, ALL_SHARDED], gpus_per_node=GPUS_PER_NODE)[0]:
         assert err <= 1e-5, (label, plan, err)
         assert eval_err <= 1e-5, (label, plan, eval_err)
 
@@ -239,29 +185,30 @@ def test_solve_gives_every_rank_the_same_plan_and_trains():
 
 
 # --- bad input: clear errors on every rank, before any group exists ---------------------------------------
-def bad_config(lins, extra):
-    import deepspeed
+@pytest.mark.parametrize("lins,stage,needle", [
+    ({"plan": {"p": [3, 1], "g": [2, 1], "os": [2, 1]}}, 0, "lins.plan.p: intra factor 3 does not divide gpus_per_node 2"),
+    ({"plan": {"p": [1, 1], "g": [1, 2], "os": [2, 2]}}, 0, "crosses nodes without filling one"),
+    ({"plan": {"p": [2, 1], "g": [1, 1], "os": [2, 1]}}, 0, "must divide lins.plan.g"),
+    ({"plan": "solve", "bucket": 3}, 0, "lins.bucket: unknown key"),
+    ({"plan": "solve", "gpu_memory_gb": "auto"}, 0, "lins.gpu_memory_gb: \"auto\" is not accepted"),
+    ({"plan": "solve"}, 2, "zero_optimization.stage: 2 with lins enabled"),
+    ({"plan": "solve", "gpus_per_node": 3}, 0, "lins.gpus_per_node: 3 does not divide the world size 4"),
+], ids=["divide", "fill-node", "nesting", "unknown-key", "auto", "zero-stage", "node-size"])
+def test_bad_config_is_named_with_its_key_value_and_rule(lins, stage, needle):
+    """The rules LinsEngine checks before any process group of its own exists (in-process: they need only the
+    launch's world size and GPUs per node)."""
+    from lins_ds.integrations.engine import validate
+    from lins_ds.plan import PlanError
 
-    try:
-        model = tiny_llama()
-        deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
-                             config=config(lins, **extra))
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    with pytest.raises(PlanError) as e:
+        validate(config(lins), stage, True, WORLD, GPUS_PER_NODE)
+    assert needle in str(e.value)
 
 
-@pytest.mark.parametrize("lins,extra,needle", [
-    ({"plan": {"p": [3, 1], "g": [2, 1], "os": [2, 1]}}, {}, "lins.plan.p: intra factor 3 does not divide gpus_per_node 2"),
-    ({"plan": {"p": [1, 1], "g": [1, 2], "os": [2, 2]}}, {}, "crosses nodes without filling one"),
-    ({"plan": {"p": [2, 1], "g": [1, 1], "os": [2, 1]}}, {}, "must divide lins.plan.g"),
-    ({"plan": "solve", "bucket": 3}, {}, "lins.bucket: unknown key"),
-    ({"plan": "solve", "gpu_memory_gb": "auto"}, {}, "lins.gpu_memory_gb: \"auto\" is not accepted"),
-    ({"plan": "solve"}, {"zero_optimization": {"stage": 2}}, "zero_optimization.stage: 2 with lins enabled"),
-], ids=["divide", "fill-node", "nesting", "unknown-key", "auto", "zero-stage"])
-def test_bad_config_fails_clearly_on_every_rank(lins, extra, needle):
-    for msg in run(bad_config, WORLD, lins, extra, gpus_per_node=GPUS_PER_NODE):
-        assert needle in msg, msg
+def test_bad_config_fails_on_every_rank_before_any_lins_group():
+    for msg in run(bad_config, WORLD, {"plan": {"p": [3, 1], "g": [2, 1], "os": [2, 1]}}, {},
+                   gpus_per_node=GPUS_PER_NODE):
+        assert msg.endswith("Error: lins.plan.p: intra factor 3 does not divide gpus_per_node 2"), msg
 
 
 def non_elementwise():
@@ -297,12 +244,13 @@ def destroy_mid_training():
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
                                       config=config({"plan": P_SHARDED, "overlap_param_sync": True},
-                                                    optimizer={"type": "AdamW", "params": {"lr": 1e-3}}))
+                                                    optimizer={"type": "AdamW",
+                                                               "params": {"lr": 1e-3, "torch_adam": True}}))
     train(engine, steps=1)  # ends with the P-sync AllGathers in flight
-    in_flight = sum(u.syncing for u in engine.lins.units)
+    in_flight = sum(u.param_state is ParamState.SYNCING for u in engine.lins.units)
     engine.destroy()
     engine.destroy()  # idempotent, as DeepSpeed's __del__ calls it again
-    waited = not any(u.syncing for u in engine.lins.units)
+    waited = not any(u.param_state is ParamState.SYNCING for u in engine.lins.units)
     try:
         train(engine, steps=1)
     except RuntimeError as e:
@@ -317,17 +265,16 @@ def test_destroy_waits_for_in_flight_collectives_and_refuses_further_use():
 
 
 # --- lins.overlap_param_sync = false; lins.unit_modules ----------------------------------------------
-def variant_runs(lins_extra: dict, plans):
+def variant_runs(ref, lins_extra: dict, plans):
     import deepspeed
 
-    ref = reference(tiny_llama, 96)
     out = []
     for plan in plans:
         model = tiny_llama()
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
                                           config=config({"plan": plan, **lins_extra}))
         syncing = []
-        states = train(engine, after_step=lambda e: (syncing.append(any(u.syncing for u in e.lins.units)),
+        states = train(engine, after_step=lambda e: (syncing.append(any(u.param_state is ParamState.SYNCING for u in e.lins.units)),
                                                      state(e))[1])
         out.append((str(plan), max(max_err(s, r) for s, r in zip(states, ref)), syncing,
                     [u.name for u in engine.lins.units]))
@@ -336,7 +283,7 @@ def variant_runs(lins_extra: dict, plans):
 
 
 def test_without_param_sync_overlap_the_step_waits_and_matches_the_reference():
-    for plan, err, syncing, _ in run(variant_runs, WORLD, {"overlap_param_sync": False},
+    for plan, err, syncing, _ in run(variant_runs, WORLD, reference("llama"), {"overlap_param_sync": False},
                                      [P_SHARDED, ALL_SHARDED, {"p": [1, 1], "g": [2, 1], "os": [2, 2]}],
                                      gpus_per_node=GPUS_PER_NODE)[0]:
         assert err <= 1e-5, (plan, err)
@@ -344,8 +291,8 @@ def test_without_param_sync_overlap_the_step_waits_and_matches_the_reference():
 
 
 def test_unit_modules_choose_the_units_and_train_exactly():
-    res = run(variant_runs, WORLD, {"unit_modules": ["LlamaMLP", "LlamaAttention"]}, [P_SHARDED, ALL_SHARDED],
-              gpus_per_node=GPUS_PER_NODE)[0]
+    res = run(variant_runs, WORLD, reference("llama"), {"unit_modules": ["LlamaMLP", "LlamaAttention"]},
+              [P_SHARDED, ALL_SHARDED], gpus_per_node=GPUS_PER_NODE)[0]
     for plan, err, _, names in res:
         assert err <= 1e-5, (plan, err)
         assert names == ["root", "model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.1.self_attn",
@@ -356,3 +303,33 @@ def test_unit_modules_naming_no_class_of_the_model_fails_clearly():
     for msg in run(bad_config, WORLD, {"plan": P_SHARDED, "unit_modules": ["NoSuchBlock"]}, {},
                    gpus_per_node=GPUS_PER_NODE):
         assert "lins.unit_modules: no module of class ['NoSuchBlock'] in the model" in msg, msg
+
+
+# --- the unit state machine ----------------------------------------------------------------------------
+def wrong_transitions():
+    """Transitions asked of units in states they do not start from are refused, naming unit and states."""
+    import deepspeed
+
+    from lins_ds.runtime.unit import GradState, UnitStateError
+
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                      config=config({"plan": ALL_SHARDED}))
+    unit = engine.lins.units[1]
+    refused = []
+    for transition in (unit.finish_reduce, unit.finish_replica_reduce):
+        try:
+            transition()
+        except UnitStateError as e:
+            refused.append(str(e))
+    train(engine, steps=1)  # the machine still drives a normal step
+    states = {u.grad_state for u in engine.lins.units}
+    engine.destroy()
+    return refused, states == {GradState.ACCUMULATING}
+
+
+def test_a_transition_from_the_wrong_state_is_refused():
+    refused, clean = run(wrong_transitions, WORLD, gpus_per_node=GPUS_PER_NODE)[0]
+    assert refused == ["lins: unit model.layers.0: finish_reduce from accumulating, expected reducing",
+                       "lins: unit model.layers.0: finish_replica_reduce from accumulating, expected replica-reducing"]
+    assert clean

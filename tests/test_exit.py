@@ -10,14 +10,16 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lins_ds  # noqa: F401,E402
-from distributed import run  # noqa: E402
+import lins_ds  # noqa: F401
+from helpers import ROOT, run
+from lins_ds.runtime.unit import ParamState
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYNCING = ParamState.SYNCING
 
 LINS_SCRIPT = '''
 import deepspeed, torch, lins_run_probe
+from lins_ds.runtime.unit import ParamState
+SYNCING = ParamState.SYNCING
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
 cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
@@ -28,7 +30,7 @@ engine, *_ = deepspeed.initialize(model=model, config=cfg)
 engine.backward(engine(torch.randn(2, 16)).sum())
 engine.step()
 lins_run_probe.engine = engine  # kept alive past the script, as a script's globals would be
-lins_run_probe.in_flight = sum(u.syncing for u in engine.lins.units)
+lins_run_probe.in_flight = sum(u.param_state is SYNCING for u in engine.lins.units)
 '''
 
 
@@ -59,7 +61,7 @@ def lins_run_cases(tmp: str) -> dict:
     out = {"lins": run_script(tmp, LINS_SCRIPT)}
     out["in_flight"] = probe.in_flight
     out["engine_destroyed"] = probe.engine.lins.groups.destroyed
-    out["engine_waited"] = not any(u.syncing for u in probe.engine.lins.units)
+    out["engine_waited"] = not any(u.param_state is SYNCING for u in probe.engine.lins.units)
     reinit(tmp, "again")
     allreduce = "import torch, torch.distributed as d\nd.all_reduce(torch.ones(1))\n"
     out["exit0"] = run_script(tmp, allreduce + "raise SystemExit(0)\n")
@@ -82,10 +84,9 @@ def train_llama_example(tmp: str) -> tuple:
     spec = importlib.util.spec_from_file_location("train_llama", os.path.join(ROOT, "examples", "train_llama.py"))
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    summary = example.main(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero1.json"), "--model", "tiny",
-                            "--seq-len", "32", "--steps", "2", "--warmup-steps", "1", "--micro-batch-size", "1",
-                            "--grad-accum", "1", "--out", os.path.join(tmp, "summary.json")])
-    return len(summary["losses"]), torch.distributed.is_initialized()
+    losses = example.main(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero1.json"), "--model", "tiny",
+                           "--seq-len", "32", "--steps", "2"])
+    return len(losses), torch.distributed.is_initialized()
 
 
 def test_train_llama_example_destroys_its_process_group(tmp_path):

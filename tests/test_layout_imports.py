@@ -78,3 +78,22 @@ def test_the_engine_never_imports_tools():
     for path, module in modules():
         if part_of(module) not in ("cli", "run", "tools", "__init__"):
             assert not any(t.startswith("lins_ds.tools") for t in imports(path, module)), module
+
+
+def test_the_package_never_imports_the_benchmarks():
+    for path, module in modules():
+        assert not any(t == "bench" or t.startswith("bench.") for t in imports(path, module)), module
+
+
+def test_the_wheel_installs_no_benchmark_code():
+    """setup.py's packages: lins_ds and its subpackages, nothing of bench/, examples/ or tests/."""
+    import ast as _ast
+
+    root = os.path.dirname(PKG)
+    call = next(n for n in _ast.walk(_ast.parse(open(os.path.join(root, "setup.py")).read()))
+                if isinstance(n, _ast.Call) and getattr(n.func, "id", "") == "setup")
+    packages = next(k.value for k in call.keywords if k.arg == "packages")
+    from setuptools import find_packages
+
+    found = find_packages(root, **{k.arg: _ast.literal_eval(k.value) for k in packages.keywords})
+    assert found and all(p == "lins_ds" or p.startswith("lins_ds.") for p in found), found

@@ -1,21 +1,15 @@
 """Memory truth on CPU: the activation probe, selective checkpointing in the solver and the runtime, the guard."""
 
-import os
-import tempfile
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lins_ds  # noqa: F401,E402
-from distributed import run  # noqa: E402
-from test_engine_parity import GAS, GPUS_PER_NODE, WORLD, param_groups, reference, tiny_llama  # noqa: E402
+import lins_ds  # noqa: F401
+from helpers import GAS, GPUS_PER_NODE, WORLD, max_err, param_groups, reference, run, state, tiny_llama, train
 
-from lins_ds.plan import (BUILTIN_MODELS, MemorySpec, Topology, TrainingSpec, candidates,  # noqa: E402
+from lins_ds.plan import (BUILTIN_MODELS, MemorySpec, Topology, TrainingSpec, candidates,
                           get_cluster, solve)
-from lins_ds.plan import cost  # noqa: E402
-from lins_ds.plan.memory import ActivationProfile, formula_activations, memory  # noqa: E402
+from lins_ds.plan import cost
+from lins_ds.plan.memory import ActivationProfile, formula_activations, memory
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,10 +102,9 @@ def test_guard_names_the_excess_and_a_plan_that_fits():
 
 
 # --- the runtime: k of N units checkpointed, exactly the same training ----------------------------------
-def checkpointed_runs(plans):
+def checkpointed_runs(ref, plans):
     import deepspeed
 
-    ref = reference(tiny_llama, 96)
     out = []
     for lins in plans:
         model = tiny_llama()
@@ -119,8 +112,6 @@ def checkpointed_runs(plans):
             model=model, optimizer=torch.optim.AdamW(param_groups(model)),
             config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
                     "zero_optimization": {"stage": 0}, "lins": {"gpus_per_node": GPUS_PER_NODE, **lins}})
-        from test_engine_features import max_err, state, train
-
         states = train(engine, after_step=state)
         flags = [m.gradient_checkpointing for m in model.model.layers]
         out.append((engine.lins.plan.to_json(), flags, max(max_err(s, r) for s, r in zip(states, ref))))
@@ -128,13 +119,13 @@ def checkpointed_runs(plans):
     return out
 
 
-def test_runtime_checkpoints_the_first_k_units_and_trains_exactly():
+def test_runtime_checkpoints_the_first_k_units_and_trains_exactly(tmp_path):
     plans = [{"plan": {"p": [2, 1], "g": [2, 2], "os": [2, 2]}, "activation_checkpointing": 1},
              {"plan": "solve", "profile": "synthetic", "memory_profile": "measure", "seq_len": 8,
-              "profile_cache": os.path.join(tempfile.gettempdir(), f"lins-test-{os.getpid()}"),
+              "profile_cache": str(tmp_path / "profiles"),
               "gpu_memory_gb": 0.0004, "reserved_gb": 0}]
-    (fixed, fixed_flags, fixed_err), (solved, _, solved_err) = run(checkpointed_runs, WORLD, plans,
-                                                                   gpus_per_node=GPUS_PER_NODE)[0]
+    (fixed, fixed_flags, fixed_err), (solved, _, solved_err) = run(checkpointed_runs, WORLD, reference("llama"),
+                                                                   plans, gpus_per_node=GPUS_PER_NODE)[0]
     assert fixed["activation_checkpointing_units"] == 1 and fixed["num_layers"] == 2
     assert fixed_flags == [True, False] and fixed_err <= 1e-5
     assert solved["memory_profile"] == "measured:saved-tensors" and solved_err <= 1e-5

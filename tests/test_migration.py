@@ -1,16 +1,12 @@
 """Moving a run between DeepSpeed ZeRO and Lins: each side continues the other's trajectory (fp32, within 1e-6)."""
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lins_ds  # noqa: F401,E402
-from distributed import run  # noqa: E402
-from test_checkpoint import steps  # noqa: E402
-from test_engine_parity import tiny_llama  # noqa: E402
+import lins_ds  # noqa: F401
+from helpers import ckpt_steps as steps, run, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 K, M = 2, 3  # steps before the checkpoint, steps after

@@ -1,14 +1,12 @@
 """The profiler on 4 gloo processes as 2 nodes x 2: complete tables, cache hits, rejected caches."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from distributed import run  # noqa: E402
+import pytest
 
-from lins_ds.plan import Topology, candidates  # noqa: E402
-from lins_ds.plan.cost import required_meshes  # noqa: E402
+from helpers import launch, run, torchrun
+from lins_ds.plan import Topology, candidates
+from lins_ds.plan.cost import required_meshes
 
 TOPO = Topology(2, 2)
 MAX = 2**20
@@ -74,22 +72,20 @@ def test_mismatched_cache_is_rejected_and_remeasured(tmp_path):
     assert second["meta"]["device"] == "cpu"
 
 
-def test_lins_ds_profile_records_the_hosts_speed(tmp_path):
-    """``lins-ds profile`` under torchrun: the table's meta carries the slowest rank's host speed, which the
-    simulator scales DeepSpeed's per-fetch cost by; the probe times a backward even under no_grad."""
-    import subprocess
-
+@pytest.mark.slow
+def test_bench_profile_records_the_hosts_speed(tmp_path):
+    """``lins-ds profile`` as the benchmark runs it (``torchrun -m bench profile``): the table's meta carries the
+    slowest rank's host speed, which the simulator scales DeepSpeed's per-fetch cost by; the probe times a
+    backward even under no_grad."""
     import torch
 
-    from lins_ds.profiler.host import seconds_per_module
+    from bench.host import seconds_per_module
 
     out = tmp_path / "profile.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        "29631", "-m", "lins_ds.cli", "profile", "--quick", "--max-mb", "1", "--out", str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    host_s = json.loads(out.read_text())["meta"]["host_s_per_module"]
-    assert 0 < host_s < 0.1 and f"host: {1e6 * host_s:.1f} us per module pass" in r.stdout
+    printed = launch(torchrun(2) + ["-m", "bench", "profile", "--quick", "--max-mb", "1", "--out", str(out)])
+    table = json.loads(out.read_text())
+    host_s = table["meta"]["host_s_per_module"]
+    assert 0 < host_s < 0.1 and f"host: {1e6 * host_s:.1f} us per module pass" in printed
+    assert table["meta"]["source"] == "measured:quick" and f"wrote {out}" in printed
     with torch.no_grad():
         assert 0 < seconds_per_module(torch.device("cpu")) < 0.1

@@ -2,14 +2,12 @@
 
 import os
 import resource
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lins_ds  # noqa: F401,E402
-from distributed import run  # noqa: E402
+import lins_ds  # noqa: F401
+from helpers import run
 
 transformers = pytest.importorskip("transformers")
 REPLICATED = {"p": [1, 1], "g": [1, 1], "os": [1, 1]}

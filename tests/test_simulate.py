@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from lins_ds.cli import main
+from bench.__main__ import main
 from lins_ds.plan import BUILTIN_MODELS, MemorySpec, Topology, candidates, get_cluster, solve
 from lins_ds.plan.cost import required_meshes
-from lins_ds.tools.simulate import baseline_schedule, sim_train, simulate
+from bench.simulate import baseline_schedule, sim_train, simulate
 
 PAPER = ["--cluster", "a800-ib", "--gpus-per-node", "8", "--seq-len", "4096", "--micro-batch-size", "1",
          "--global-batch-tokens", "4194304"]
@@ -81,7 +81,7 @@ def test_a_profiles_measured_host_scales_the_fetch_cost_only():
     twice as much there (host time), ZeRO-1 has none and is unchanged."""
     from dataclasses import replace
 
-    from lins_ds.tools.simulate import Overheads
+    from bench.simulate import Overheads
 
     cluster, topo = get_cluster("h200-emulated"), Topology(1, 2)
     model = BUILTIN_MODELS["llama-1b"]
@@ -102,7 +102,7 @@ def test_one_rank_fetches_run_their_hooks_but_gather_nothing():
     (``_no_gather_coalesced``): one GPU pays ZeRO-3's hooks, not its per-byte cost; MiCS (a gather on a
     one-rank group: a local copy) is priced the same when its shard group (a node) is one GPU, even across
     nodes. ZeRO++ with one GPU per node has hpZ off: it gathers over the world in backward too."""
-    from lins_ds.tools.simulate import system_terms
+    from bench.simulate import system_terms
 
     cluster, model = get_cluster("h200-emulated"), BUILTIN_MODELS["llama-1b"]
     mem = MemorySpec(139)

@@ -2,18 +2,13 @@
 ``find_unused_parameters=True``: the gradient is the average over ranks, an unused parameter contributing zero
 (docs/design.md §3, "Parameters used on some ranks only")."""
 
-import os
-import sys
-
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
-import lins_ds  # noqa: F401,E402
-from distributed import run  # noqa: E402
-from lins_ds import comm  # noqa: E402
-from test_engine_features import allow_fp16_on_this_cpu  # noqa: E402
+import lins_ds  # noqa: F401
+from helpers import allow_fp16_on_this_cpu, run
+from lins_ds import comm
 
 STEPS, LR = 4, 1e-2
 REPLICATED = {"p": [1, 1], "g": [1, 1], "os": [1, 1]}
@@ -359,8 +354,8 @@ def reduced_before_backward_ends(plan):
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model), lr=LR),
                                       config=ds_config(plan, 1, 0.0, 4))
     executor, counts = engine.lins._executor, []
-    post_backward = executor.post_backward
-    executor.post_backward = lambda: (counts.append(executor._next), post_backward())
+    end_backward = executor.end_backward
+    executor.end_backward = lambda: (counts.append(executor._next), end_backward())
     for step in range(3):
         engine.backward(engine(*side_batch(step, 0, rank)))
         engine.step()

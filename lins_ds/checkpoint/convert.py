@@ -13,9 +13,6 @@ from .consolidate import checkpoint_path
 from .formats import LinsCheckpointError
 from .load import ShardReader, _read, read_meta
 
-TARGETS = ("deepspeed-universal",)
-
-
 def _parameters(path: str, meta: dict, reader: ShardReader):
     """(name, {"master", <element-wise state>: whole fp32}) of every trainable parameter, one at a time."""
     for name, info in meta["params"].items():

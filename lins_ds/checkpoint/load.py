@@ -203,10 +203,10 @@ def _fill_optimizer(engine, ckpt, with_state: bool) -> None:
     for gi, group in enumerate(opt.param_groups):
         for sl in [s for s in opt.slices if any(s.param is p for p in group["params"])]:
             state = {k: torch.zeros_like(sl.param.data) for k in ckpt.elementwise} if with_state else {}
-            for slot, (a, b), (s, e) in sl.unit.pieces(sl.lo, sl.hi):
-                reader.fill(sl.param.data[s:e], slot.name, a, b, "master")
+            for name, (a, b), (s, e) in sl.range.by_parameter():
+                reader.fill(sl.param.data[s:e], name, a, b, "master")
                 for k, t in state.items():
-                    reader.fill(t[s:e], slot.name, a, b, k)
+                    reader.fill(t[s:e], name, a, b, k)
             for k in ckpt.scalars if with_state else ():
                 v = reader.scalar(gi, k)
                 if v is not None:

@@ -27,12 +27,12 @@ def shard_tensors(opt) -> tuple:
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     for sl in opt.slices:
         state = opt.state.get(sl.param, {})
-        for slot, (a, b), (s, e) in sl.unit.pieces(sl.lo, sl.hi):
-            index.append((slot.name, a, b))
-            tensors[range_key(slot.name, a, b, "master")] = _cpu(sl.param.data[s:e].float())
+        for name, (a, b), (s, e) in sl.range.by_parameter():
+            index.append((name, a, b))
+            tensors[range_key(name, a, b, "master")] = _cpu(sl.param.data[s:e].float())
             for k, v in state.items():
                 if torch.is_tensor(v) and v.shape == sl.param.shape:
-                    tensors[range_key(slot.name, a, b, k)] = _cpu(v[s:e])
+                    tensors[range_key(name, a, b, k)] = _cpu(v[s:e])
                     ew_keys.add(k)
         for k, v in state.items():
             if not (torch.is_tensor(v) and v.shape == sl.param.shape):
@@ -52,7 +52,7 @@ def frozen_and_buffers(module: torch.nn.Module) -> dict:
 
 def _meta(engine, index: dict, ew_keys, scalar_keys) -> dict:
     opt, module = engine.optimizer, engine.module
-    group_of = {s.name: s.group for u in engine.lins.units for s in u.slots}
+    group_of = engine.lins.param_groups_by_name()
     aliases = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases[name] = next(n for n, q in module.named_parameters() if q is p)

@@ -21,7 +21,7 @@ from .. import comm, dtypes
 from ..checkpoint.load import load
 from ..checkpoint.save import save
 from ..plan.layout import needs_unsorted_groups
-from ..runtime import checkpointing, memory_guard
+from ..runtime import memory_guard, recompute
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import is_deferred
 from ..runtime.memory_guard import report_startup
@@ -33,16 +33,16 @@ from . import ds_compat
 ds_compat.check()
 
 
-def validate(config: dict, config_class, has_client_optimizer: bool):
-    """Everything that can be wrong with the lins block, checked on every rank before any group exists."""
+def validate(config: dict, stage: int, has_client_optimizer: bool, world_size: int, local_world_size: int):
+    """Everything that can be wrong with the lins block, checked on every rank before any group exists (pure:
+    the launch is given)."""
     cfg = parse_lins_config(lins_block(config))
-    stage = config_class.zero_optimization_stage
     if stage != 0:
         raise LinsConfigError(f"zero_optimization.stage: {stage} with lins enabled; Lins replaces ZeRO, "
                               "keep \"zero_optimization\": {\"stage\": 0}")
     if not has_client_optimizer and not config.get("optimizer"):
         raise LinsConfigError("lins: needs an optimizer (an \"optimizer\" block or a client optimizer)")
-    topo = cfg.topology(dist.get_world_size(), comm.local_world_size())
+    topo = cfg.topology(world_size, local_world_size)
     if not cfg.solve and not comm.SUPPORTS_UNSORTED_GROUPS and needs_unsorted_groups(topo, cfg.layout(topo)):
         raise LinsConfigError(
             f"lins.plan: {cfg.layout(topo)} needs process groups in an order other than global-rank order, "
@@ -53,7 +53,8 @@ def validate(config: dict, config_class, has_client_optimizer: bool):
 class LinsEngine(DeepSpeedEngine):
     def __init__(self, *args, config=None, config_class=None, optimizer=None, **kwargs):
         t0 = time.perf_counter()
-        cfg, topo = validate(config, config_class, optimizer is not None)
+        cfg, topo = validate(config, config_class.zero_optimization_stage, optimizer is not None,
+                             dist.get_world_size(), comm.local_world_size())
         object.__setattr__(self, "lins_config", cfg)
         object.__setattr__(self, "lins_topology", topo)
         object.__setattr__(self, "lins", None)
@@ -95,15 +96,14 @@ class LinsEngine(DeepSpeedEngine):
         announce(summary)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
-                                device=torch.device(self.device),
-                                check_collectives=check)
+                                device=torch.device(self.device), check_collectives=check,
+                                ends_window=self._reduces_this_backward)
         if self.lins_config.solve or self.lins_config.activation_checkpointing is not None:
-            checkpointing.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
+            recompute.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
-                                       dynamic_loss_args=self.dynamic_loss_scale_args(),
-                                       boundary=self._reduces_this_backward)
+                                       dynamic_loss_args=self.dynamic_loss_scale_args())
         ds_compat.finish_optimizer_setup(self)
 
     def step(self, lr_kwargs=None):
@@ -137,11 +137,9 @@ class LinsEngine(DeepSpeedEngine):
         return norm.item() if torch.is_tensor(norm) else norm
 
     def allreduce_gradients(self, bucket_size=None):
-        """DeepSpeed calls this after each backward outside ``no_sync``, before the optimizer's
-        ``backward_epilogue``: finish the backward's reductions, and at the boundary the replica AllReduce."""
-        self.lins.post_backward()
-        if self.is_gradient_accumulation_boundary():
-            self.lins.reduce_at_boundary()
+        """Nothing: Lins reduces inside the backward, completes it in the optimizer's ``backward_epilogue``
+        (which DeepSpeed calls right after this, inside ``no_sync`` too) and makes the window final in the
+        optimizer's ``step`` (docs/design.md §4)."""
 
     def clip_fp32_gradients(self):
         """No-op: LinsOptimizer clips on the global norm of the sharded gradients."""

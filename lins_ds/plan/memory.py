@@ -35,7 +35,8 @@ from .model import ModelSpec
 from .spec import GIB, MemorySpec, TrainingSpec
 from .topology import Layout, Topology
 
-GATHERED_LAYERS = 2  # layer units whose full parameters exist at once: the current one and the prefetched one
+PREFETCHED_LAYERS = 1  # layer units gathered ahead of the one running (the executor's prefetch depth)
+GATHERED_LAYERS = 1 + PREFETCHED_LAYERS  # layer units whose full parameters exist at once
 IN_FLIGHT_REDUCE_SCATTERS = 2  # ReduceScatters in flight before the oldest is completed
 IN_FLIGHT_REPLICA_COPIES = 2  # replica AllReduces on reduce-dtype copies in flight before the oldest completes
 OPTIMIZER_TEMP_COPIES = 1  # fp32 temporaries of torch's foreach Adam(W) per updated element (sqrt(v))

@@ -34,9 +34,10 @@ def find_layers(module: nn.Module, class_names: Optional[tuple]) -> list:
     return best
 
 
-def assign_units(module: nn.Module, group_of: dict, class_names: Optional[tuple]) -> list:
-    """[(unit name, modules, [(param name, param)])], root first. A parameter used by several layers
-    goes to the root unit, which stays gathered for a whole forward and backward."""
+def assign_units(module: nn.Module, group_of: dict, class_names: Optional[tuple]) -> tuple:
+    """(root, layers): the root unit's [(param name, param)] (None when every trainable parameter is in a layer)
+    and [(unit name, modules, [(param name, param)])] per layer unit, in model order. A parameter used by
+    several layers goes to the root unit, which stays gathered for a whole forward and backward."""
     names = {p: n for n, p in module.named_parameters()}
     for p, n in names.items():
         if p.requires_grad and p not in group_of:
@@ -53,12 +54,12 @@ def assign_units(module: nn.Module, group_of: dict, class_names: Optional[tuple]
         taken.update(p for _, p in ps)
         units.append((lname, [m], ps))
     root = [(n, p) for n, p in module.named_parameters() if p in group_of and p not in taken]
-    return ([("root", [], root)] if root else []) + [u for u in units if u[2]]
+    return root or None, [u for u in units if u[2]]
 
 
 def build_unit(name: str, modules: list, params: list, group_of: dict, topo: Topology, layout: Layout,
                groups: comm.Groups, accum_dtype: torch.dtype, reduce_dtype: torch.dtype, materializer=None,
-               device=None) -> Unit:
+               device=None, is_root: bool = False) -> Unit:
     """A unit of ``params`` ordered by param group (each group one contiguous range)."""
     ordered = sorted(enumerate(params), key=lambda ip: (group_of[ip[1][1]], ip[0]))
     slots, off = [], 0
@@ -66,4 +67,4 @@ def build_unit(name: str, modules: list, params: list, group_of: dict, topo: Top
         slots.append(Slot(pname, p, off, p.numel(), p.shape, group_of[p]))
         off += p.numel()
     return Unit(name, slots, ChunkSpec.make(off, topo, layout, groups.rank), layout, groups, accum_dtype,
-                reduce_dtype, modules, materializer, device)
+                reduce_dtype, modules, materializer, device, is_root)

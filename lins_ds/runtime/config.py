@@ -7,6 +7,7 @@ Each field of ``LinsConfig`` carries its own rule (``_rule``); the parser walks 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
@@ -97,32 +98,56 @@ def _plan(key, value):
     return {s: tuple(value[s]) for s in STATES}
 
 
-def _rule(default, rule: Callable, doc: str):
-    return field(default=default, metadata={"rule": rule, "doc": doc})
+def _rule(default, rule: Callable, doc: str, shown: Optional[str] = None):
+    """A field of the ``lins`` block: its default, its rule, and what README's key table says of it (``shown``:
+    the default as a user reads it, when not the value itself)."""
+    return field(default=default, metadata={"rule": rule, "doc": doc, "shown": shown})
 
 
 @dataclass(frozen=True)
 class LinsConfig:
-    enabled: bool = _rule(True, _boolean, "false hands the config to DeepSpeed untouched")
-    gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int), "GPUs per (emulated) node")
-    plan: object = _rule("solve", _plan, "\"solve\", or {\"p\": (intra, inter), ...} with ints or \"all\"")
+    enabled: bool = _rule(True, _boolean, "`false` hands the config to DeepSpeed untouched")
+    plan: object = _rule("solve", _plan, "`\"solve\"`, or fixed factors `{\"p\": [intra, inter], \"g\": [...], \"os\": "
+                         "[...]}`; `\"all\"` is the whole dimension (`\"os\": [\"all\", \"all\"]` is ZeRO-1's OS)")
+    gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int),
+                                         "GPUs per (emulated) node; must divide the world size",
+                                         "the launcher's local world size")
+    gpu_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib), "the per-GPU budget the solver respects (GiB)",
+                                           "the device's memory")
+    reserved_gb: Optional[float] = _rule(None, _optional(_nonnegative_gib),
+                                         "memory outside the allocator (CUDA context, communicators), GiB",
+                                         "2 on GPUs, 0 on CPUs")
     activation_checkpointing: object = _rule(None, _optional(_checkpointing),
-                                             "null: the solver picks how many layer units; true/false; or k")
-    gpu_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib), "the solver's per-GPU budget")
-    reserved_gb: Optional[float] = _rule(None, _optional(_nonnegative_gib), "outside the allocator; null: 2 on GPUs")
-    seq_len: Optional[int] = _rule(None, _optional(_positive_int), "sequence length the solver sizes for")
-    model: Optional[str] = _rule(None, _optional(_string("a model name, a config.json path or null")), "")
-    cluster: str = _rule("h200-emulated", _one_of(tuple(sorted(CLUSTERS))), "built-in cluster for \"synthetic\"")
-    profile: str = _rule("measure", _profile, "the solver's timing table")
-    profile_cache: Optional[str] = _rule(None, _optional(_string("a directory path or null")), "")
+                                             "layer units that recompute their forward: `null` lets the solver pick k "
+                                             "of N (a model that checkpoints already keeps it), `true`/`false` all or "
+                                             "none, an integer the first k")
+    seq_len: Optional[int] = _rule(None, _optional(_positive_int), "the sequence length the solver sizes activations for",
+                                   "the model's `max_position_embeddings`")
+    model: Optional[str] = _rule(None, _optional(_string("a model name, a config.json path or null")),
+                                 "describes a non-HF model to the solver: a built-in name or a `config.json`",
+                                 "the HF model's config")
     memory_profile: Optional[str] = _rule(None, _optional(_memory_profile),
-                                          "activation memory: measure (default on GPUs), formula (on CPUs) or a path")
-    grad_reduce_dtype: Optional[str] = _rule(None, _optional(_one_of(DTYPES)), "gradient communication dtype")
-    unit_modules: Optional[tuple] = _rule(None, _optional(_class_names), "classes that become units")
-    overlap_param_sync: bool = _rule(True, _boolean, "the paper switches this off for its comparisons")
-    objective: str = _rule("step", _one_of(OBJECTIVES), "the solver's: step (what a step waits for) or comm (paper)")
-    check_collectives: bool = _rule(False, _boolean, "debug: each step, check that every rank issued the same "
-                                    "collectives in the same order (also LINS_CHECK_COLLECTIVES=1)")
+                                          "activation memory: `\"measure\"` (one layer unit and the head at start-up, "
+                                          "cached), `\"formula\"` or a JSON path",
+                                          "`\"measure\"` on GPUs, `\"formula\"` on CPUs")
+    objective: str = _rule("step", _one_of(OBJECTIVES),
+                           "what the solver minimises: `\"step\"` (what a step waits for) or `\"comm\"` (the paper's)")
+    profile: str = _rule("measure", _profile, "the solver's timing table: `\"measure\"` (cached, else measured at "
+                         "start-up), `\"synthetic\"` (`cluster`) or a JSON path")
+    profile_cache: Optional[str] = _rule(None, _optional(_string("a directory path or null")),
+                                         "where measured tables are cached", "`~/.cache/lins_ds/profiles`")
+    cluster: str = _rule("h200-emulated", _one_of(tuple(sorted(CLUSTERS))),
+                         "the built-in cluster `\"profile\": \"synthetic\"` times with")
+    grad_reduce_dtype: Optional[str] = _rule(None, _optional(_one_of(DTYPES)),
+                                             "dtype of the gradient ReduceScatter / AllReduce", "the parameter dtype")
+    unit_modules: Optional[tuple] = _rule(None, _optional(_class_names),
+                                          "class names of the modules that become units",
+                                          "the children of the largest repeated `nn.ModuleList`")
+    overlap_param_sync: bool = _rule(True, _boolean, "the P-sync AllGather after the update overlaps the next "
+                                     "forward unit by unit; `false` waits for it in `step()`")
+    check_collectives: bool = _rule(False, _boolean, "debug: at each step, check that all ranks issued the same "
+                                    "collectives in the same order, naming the first difference "
+                                    "(also `LINS_CHECK_COLLECTIVES=1`)")
 
     @property
     def solve(self) -> bool:
@@ -165,6 +190,15 @@ def parse_lins_config(block) -> LinsConfig:
     if unknown:
         raise LinsConfigError(f"lins.{unknown[0]}: unknown key (known keys: {', '.join(sorted(rules))})")
     return LinsConfig(**{key: rules[key](key, value) for key, value in block.items()})
+
+
+def key_table() -> str:
+    """README's table of the ``lins`` keys, from the fields' own docs (a test holds README to it)."""
+    rows = ["| `lins` key | default | meaning |", "|---|---|---|"]
+    for f in fields(LinsConfig):
+        shown = f.metadata["shown"] or (f"`{json.dumps(f.default)}`")
+        rows.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
+    return "\n".join(rows)
 
 
 def lins_block(ds_config: dict) -> Optional[dict]:

@@ -1,5 +1,6 @@
 """The hooks that run a Lins plan inside forward and backward, and the order units are prefetched in
-(docs/design.md §3). Every state change is the unit's own (``unit.py``); this file decides when.
+(docs/design.md §3). Every state change is the unit's own (``unit.py``); this file decides when, reading
+where training is from ``Progress`` (which ``LinsRuntime`` alone writes).
 
 Forward:  a layer unit is gathered before its module runs (s_p > 1) while the next layer's gather is
           already in flight (prefetch); it is released after its forward unless that forward is a
@@ -30,14 +31,30 @@ completes the units in order and never asks.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
-from ..plan.memory import IN_FLIGHT_REDUCE_SCATTERS, IN_FLIGHT_REPLICA_COPIES
+from ..plan.memory import IN_FLIGHT_REDUCE_SCATTERS, IN_FLIGHT_REPLICA_COPIES, PREFETCHED_LAYERS
 from .unit import GradState, Unit
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"  # forwards run (training or evaluation); gradients accumulate in the window
+    BACKWARD = "backward"  # a backward runs, its recomputed forwards included
+    BOUNDARY = "boundary"  # the window's gradients are being made final, clipped and applied (the step)
+
+
+@dataclass
+class Progress:
+    """Where training is: written only by ``LinsRuntime`` (one method per step), read by the hooks."""
+
+    phase: Phase = Phase.FORWARD
+    ends_window: bool = False  # the running backward ends an accumulation window (replica AllReduces start in it)
 
 
 def _requires_grad(out) -> list:
@@ -56,22 +73,24 @@ def reduction_order(root, layers: list) -> list:
 
 
 class Executor:
-    def __init__(self, module: torch.nn.Module, root, layers: list, reduce_dtype: torch.dtype):
-        self.module, self.root, self.layers = module, root, layers
+    def __init__(self, module: torch.nn.Module, root, layers: list, reduce_dtype: torch.dtype, progress: Progress):
+        self.module, self.root, self.layers, self.progress = module, root, layers, progress
         self.units = ([root] if root is not None else []) + layers
         self.position = {id(u): i for i, u in enumerate(layers)}
         self.reduce_dtype = reduce_dtype
         self.order = reduction_order(root, layers)
         self._next = 0  # position in ``order`` of the next unit to reduce in this backward
         self._reach_known = False  # this backward's unreachable parameters are counted as arrived
-        self.in_backward = False  # between the runtime's begin_backward and post_backward
-        self.boundary = False  # this backward ends an accumulation window
         self._handles = []
         self._reducing: deque = deque()  # (unit, staging) with a ReduceScatter in flight, oldest first
         self._copies: deque = deque()  # units whose replica AllReduce runs on a reduce-dtype copy, oldest first
         self._free_staging: list = []  # staging buffers of a layer unit's size, reused within a backward
         self._pool_size = max((u.spec.padded for u in (layers or self.units)), default=0)
         self._register()
+
+    @property
+    def _in_backward(self) -> bool:
+        return self.progress.phase is Phase.BACKWARD
 
     # --- hooks -----------------------------------------------------------------------------
     def _register(self) -> None:
@@ -99,30 +118,29 @@ class Executor:
         if self.root is not None and not (torch.is_grad_enabled() and _requires_grad(out)):
             self.root.release()  # no backward will follow
 
-    def _neighbour(self, unit: Unit, step: int):
+    def _prefetch(self, unit: Unit, direction: int) -> None:
+        """Start gathering the ``PREFETCHED_LAYERS`` layer units after ``unit`` in ``direction`` (+1: the
+        forward's order, -1: the backward's), as the memory model counts them."""
         i = self.position.get(id(unit))
-        j = None if i is None else i + step
-        return self.layers[j] if j is not None and 0 <= j < len(self.layers) else None
+        for k in range(1, PREFETCHED_LAYERS + 1) if i is not None else ():
+            if 0 <= i + direction * k < len(self.layers):
+                self.layers[i + direction * k].start_gather()
 
     def _layer_pre_forward(self, unit: Unit):
         unit.wait_gather()
-        nxt = self._neighbour(unit, -1 if self.in_backward else 1)  # a recompute inside backward goes down
-        if nxt is not None:
-            nxt.start_gather()
+        self._prefetch(unit, -1 if self._in_backward else 1)  # a recompute inside backward goes down
 
     def _layer_post_forward(self, unit: Unit, out):
         if not unit.sharded_p:
             return
-        if not self.in_backward:
+        if not self._in_backward:
             unit.release()
         for t in _requires_grad(out):
             t.register_hook(lambda grad, u=unit: (self._pre_backward(u), grad)[1])
 
     def _pre_backward(self, unit: Unit):
         unit.wait_gather()
-        prev = self._neighbour(unit, -1)
-        if prev is not None:
-            prev.start_gather()
+        self._prefetch(unit, -1)
 
     def _on_grad(self, unit: Unit, param) -> None:
         if not unit.grad_arrived(param):
@@ -154,12 +172,45 @@ class Executor:
             self._next += 1
             self.reduce(unit)
 
-    # --- driven by the runtime ----------------------------------------------------------------
-    def begin_backward(self, boundary: bool) -> None:
-        self.in_backward, self.boundary, self._next, self._reach_known = True, boundary, 0, False
+    # --- driven by LinsRuntime, one method per step -------------------------------------------
+    def begin_backward(self) -> None:
+        self._next, self._reach_known = 0, False
         for unit in self.units:
             unit.begin_backward()
 
+    def end_backward(self) -> None:
+        """Reduce, in ``order``, every unit not reduced yet (the root; units with parameters that got no
+        gradient on this rank), so every rank reduces each unit exactly once per backward, in the same order;
+        complete the ReduceScatters (their G chunks are final at a window's end: the replica AllReduces start)
+        and release every unit."""
+        for unit in self.order[self._next:]:
+            self.reduce(unit)
+        self._next = len(self.order)
+        self._complete_reduce_scatters()
+        self._free_staging.clear()  # freed between backwards: the forward and the optimizer step need none
+        for unit in self.units:
+            unit.release()
+
+    def finish_window(self) -> None:
+        """The window's gradients final on every unit: replica AllReduces started where the last backward did
+        not (it did not end the window: ``no_sync``, or a step without a backward), then all waited for."""
+        self._complete_reduce_scatters()
+        for unit in self.order:
+            if unit.grad_state in (GradState.REDUCED, GradState.ACCUMULATING):
+                self._start_replica_reduce(unit)
+        for unit in self.order:
+            if unit.grad_state is GradState.REPLICA_REDUCING:
+                unit.finish_replica_reduce()
+        self._copies.clear()
+
+    def complete_in_flight(self) -> None:
+        """Every collective still in flight completed; issues none (``LinsRuntime.wait``)."""
+        self._complete_reduce_scatters()
+        for unit in self.units:
+            unit.wait_all()
+        self._copies.clear()
+
+    # --- reductions -----------------------------------------------------------------------------
     def reduce(self, unit: Unit) -> None:
         """Start the unit's reduction; release its parameters (the root's stay until the backward ends)."""
         staging = None if unit.in_place else self._staging(unit)
@@ -168,12 +219,12 @@ class Executor:
             unit.release()
         if in_flight:
             self._reducing.append((unit, staging))
-            self.drain(keep=IN_FLIGHT_REDUCE_SCATTERS)
+            self._complete_reduce_scatters(keep=IN_FLIGHT_REDUCE_SCATTERS)
         else:
             self._recycle(staging)
             self._after_reduce(unit)
 
-    def drain(self, keep: int = 0) -> None:
+    def _complete_reduce_scatters(self, keep: int = 0) -> None:
         """Complete ReduceScatters, oldest first, until ``keep`` are in flight."""
         while len(self._reducing) > keep:
             unit, staging = self._reducing.popleft()
@@ -182,20 +233,15 @@ class Executor:
             self._after_reduce(unit)
 
     def _after_reduce(self, unit: Unit) -> None:
-        if self.boundary:  # the G chunk is final: its replica AllReduce overlaps the rest of backward
-            self.start_replica_reduce(unit)
+        if self.progress.ends_window:  # the G chunk is final: its replica AllReduce overlaps the rest of backward
+            self._start_replica_reduce(unit)
 
-    def start_replica_reduce(self, unit: Unit) -> None:
+    def _start_replica_reduce(self, unit: Unit) -> None:
         """Launch the unit's replica AllReduce; copies in the reduce dtype are bounded in number."""
         if unit.start_replica_reduce():
             self._copies.append(unit)
             while len(self._copies) > IN_FLIGHT_REPLICA_COPIES:
                 self._copies.popleft().finish_replica_reduce()
-
-    def finish_replica_reduces(self, units: list) -> None:
-        for unit in units:
-            unit.finish_replica_reduce()
-        self._copies.clear()
 
     def _staging(self, unit: Unit) -> torch.Tensor:
         """A buffer for the unit's flat gradients: from the pool of layer-sized buffers, or, for a larger unit
@@ -209,16 +255,3 @@ class Executor:
     def _recycle(self, staging) -> None:
         if staging is not None and staging.numel() == self._pool_size:
             self._free_staging.append(staging)
-
-    def post_backward(self) -> None:
-        """End of one backward: reduce, in ``order``, every unit not reduced yet (the root; units with
-        parameters that got no gradient on this rank), so every rank reduces each unit exactly once per
-        backward, in the same order; release all."""
-        for unit in self.order[self._next:]:
-            self.reduce(unit)
-        self._next = len(self.order)
-        self.drain()
-        self._free_staging.clear()  # freed between backwards: the forward and the optimizer step need none
-        self.in_backward = False
-        for unit in self.units:
-            unit.release()

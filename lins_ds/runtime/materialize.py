@@ -66,9 +66,6 @@ class Materializer:
                 self.info[id(p)] = (name, name.rsplit(".", 1)[0] if "." in name else "", getattr(p, SOURCE, None))
         self._initialised: set = set()
 
-    def deferred(self, param) -> bool:
-        return id(param) in self.info
-
     def materialise(self, param: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
         """A parameter that is ``view`` takes ``param``'s places in the model; it inherits what is known of it."""
         new = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=param.requires_grad)
@@ -87,7 +84,7 @@ class Materializer:
             self.initialise(owner)
         spec = unit.spec  # this rank keeps its P chunk (the whole unit when P is not sharded)
         lo, hi = (spec.p_start, spec.p_start + spec.p_size) if unit.sharded_p else (0, spec.padded)
-        for slot, (a, b), _ in unit.pieces(lo, hi):
+        for slot, (a, b), _ in unit.slices_by_parameter(lo, hi):
             source = self.info.get(id(slot.param), (None,) * 3)[2]
             if source is not None:
                 unit.full[slot.offset + a:slot.offset + b].copy_(source.read(a, b).to(unit.full.dtype))
@@ -114,7 +111,7 @@ class Materializer:
             for s in by_owner[owner]:
                 unit.p_shard_write(s, temps[id(s.param)].detach().reshape(-1))
         lo, hi = unit.spec.p_start, unit.spec.p_start + unit.spec.p_size
-        for slot, (a, b), (s, e) in unit.pieces(lo, hi):
+        for slot, (a, b), (s, e) in unit.slices_by_parameter(lo, hi):
             source = self.info.get(id(slot.param), (None,) * 3)[2]
             if source is not None:
                 unit.p_shard[s:e].copy_(source.read(a, b).to(unit.dtype))

@@ -33,7 +33,7 @@ from .. import comm
 from ..plan import PlanError
 from ..plan.memory import ActivationProfile
 from ..plan.model import from_hf_config
-from . import checkpointing
+from . import recompute
 
 
 class _Captured(Exception):
@@ -235,7 +235,7 @@ def probe(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab:
     was_training = model.training
     model.train()
     try:
-        with _without_hooks(model), _materialised(model, layers, device), checkpointing.disabled(layers[0]):
+        with _without_hooks(model), _materialised(model, layers, device), recompute.disabled(layers[0]):
             args, kwargs = _capture_layer_inputs(model, layers[0], batch)
             s, t, out_type = _layer_run(layers[0], args, kwargs, device, checkpointed=False)
             s_ckpt, _, _ = _layer_run(layers[0], args, kwargs, device, checkpointed=True)

@@ -36,28 +36,26 @@ def steps_per_parameter(optimizer) -> bool:
 
 
 class MasterSlice:
-    """One (unit, param group) range [lo, hi) of this rank's OS chunk and its master tensor."""
+    """The master tensor of one ``OSRange`` (a param group's part of one unit's OS chunk on this rank)."""
 
-    def __init__(self, unit, lo: int, hi: int):
-        self.unit, self.lo, self.hi = unit, lo, hi
-        src = unit.p_storage[lo - unit.p_base:hi - unit.p_base]
+    def __init__(self, os_range):
+        self.range = os_range
+        src = os_range.params()
         self.aliased = src.dtype == torch.float32  # fp32 params are their own master copy
         self.param = torch.nn.Parameter(src if self.aliased else src.float().clone())
 
     def grad_view(self) -> torch.Tensor:
-        g = self.unit.g_acc
-        return g[self.lo - self.unit.g_base:self.hi - self.unit.g_base]
+        return self.range.grads()
 
     def write_back(self) -> None:
         if not self.aliased:
-            self.unit.p_storage[self.lo - self.unit.p_base:self.hi - self.unit.p_base].copy_(self.param.data)
+            self.range.params().copy_(self.param.data)
 
 
 class LinsOptimizer(ZeROOptimizer):
     def __init__(self, basic, runtime, clip: float = 0.0, fp16: bool = False, static_loss_scale: float = 1.0,
-                 dynamic_loss_scale: bool = False, dynamic_loss_args=None, boundary=lambda: True):
+                 dynamic_loss_scale: bool = False, dynamic_loss_args=None):
         super().__init__()
-        self.boundary = boundary  # does the coming backward end an accumulation window?
         check_elementwise(basic)
         self.optimizer, self.runtime, self.clip = basic, runtime, clip
         self.custom_loss_scaler, self.torch_autocast_gradscaler = False, None
@@ -68,21 +66,17 @@ class LinsOptimizer(ZeROOptimizer):
         self._global_grad_norm = None
         self.slices: list = []
         for gi, group in enumerate(basic.param_groups):
-            masters = []
-            for unit in runtime.units:
-                seg = unit.os_segment(gi)
-                if seg is not None:
-                    self.slices.append(MasterSlice(unit, *seg))
-                    masters.append(self.slices[-1].param)
-            group["params"] = masters
+            masters = [MasterSlice(r) for r in runtime.os_ranges(gi)]
+            self.slices.extend(masters)
+            group["params"] = [m.param for m in masters]
         basic.state.clear()
         # torch's optimizers keep their state, the step count included, per parameter: stepping them one unit
         # at a time is the same update, with one unit's fp32 gradients and temporaries alive at once instead
         # of the whole OS chunk's (docs/design.md §8). Others (DeepSpeed's FusedAdam counts steps per group)
         # take one step over everything.
-        units = list(dict.fromkeys(s.unit for s in self.slices))
-        self.pieces = ([[s for s in self.slices if s.unit is u] for u in units] if steps_per_parameter(basic)
-                       else [self.slices])
+        units = list(dict.fromkeys(s.range.unit for s in self.slices))
+        self.update_batches = ([[s for s in self.slices if s.range.unit is u] for u in units]
+                               if steps_per_parameter(basic) else [self.slices])
 
     # DeepSpeed and schedulers reach through to the basic optimizer's groups and state.
     @property
@@ -99,10 +93,10 @@ class LinsOptimizer(ZeROOptimizer):
 
     # DeepSpeed's engine calls these around every backward (engine.backward or loss.backward).
     def backward_prologue(self) -> None:
-        self.runtime.begin_backward(self.boundary())
+        self.runtime.begin_backward()
 
     def backward_epilogue(self, **kwargs) -> None:
-        self.runtime.post_backward()  # a no-op when allreduce_gradients ran it (outside no_sync)
+        self.runtime.end_backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.attach_grads()
@@ -111,8 +105,8 @@ class LinsOptimizer(ZeROOptimizer):
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""
         rt = self.runtime
         sq = torch.zeros((), dtype=torch.float32, device=rt.device)
-        for unit in rt.units:  # accumulated in fp32 without an fp32 copy of the chunk
-            sq += torch.linalg.vector_norm(unit.os_grad(), 2, dtype=torch.float32).square()
+        for g in rt.os_grads():  # accumulated in fp32 without an fp32 copy of the chunk
+            sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32).square()
         comm.all_reduce(rt.groups, "world", sq, tag="grad-norm")  # every OS chunk is held by world/s_os replicas
         return (sq / rt.os_replicas).sqrt() * inv_scale
 
@@ -120,7 +114,7 @@ class LinsOptimizer(ZeROOptimizer):
     def step(self, closure=None):
         """No host synchronisation except for fp16, whose overflow decides on the host whether to step."""
         rt = self.runtime
-        rt.reduce_at_boundary()
+        rt.finish_gradients()
         rt.check_collectives()
         inv_scale = 1.0 / (rt.topo.world_size * self.cur_scale)
         norm = self._grad_norm(inv_scale)
@@ -133,20 +127,20 @@ class LinsOptimizer(ZeROOptimizer):
         coef = torch.full((), inv_scale, dtype=torch.float32, device=rt.device)
         if self.clip > 0:
             coef = coef * (self.clip / (norm + 1e-6)).clamp(max=1.0)
-        for piece in self.pieces:
-            self._update(piece, coef)
+        for batch in self.update_batches:
+            self._update(batch, coef)
         rt.sync_parameters()
         rt.zero_gradients()
         self._global_grad_norm = norm
 
-    def _update(self, piece: list, coef: torch.Tensor) -> None:
+    def _update(self, batch: list, coef: torch.Tensor) -> None:
         """The update of these master slices: fp32 gradients for them alone, then the basic optimizer, which
         skips parameters without a gradient."""
-        for s in piece:
+        for s in batch:
             g = s.grad_view()
             s.param.grad = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)
         self.optimizer.step()
-        for s in piece:
+        for s in batch:
             s.write_back()
             s.param.grad = None
 

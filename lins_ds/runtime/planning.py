@@ -24,7 +24,7 @@ from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
 from ..plan.memory import ActivationProfile
 from ..plan.model import from_hf_config
-from . import checkpointing
+from . import recompute
 from .assign import find_layers
 from .config import LinsConfig, LinsConfigError
 from .optimizer import steps_per_parameter
@@ -82,7 +82,7 @@ def checkpoint_units(module: torch.nn.Module, cfg: LinsConfig):
     if cfg.activation_checkpointing is not None:
         return cfg.activation_checkpointing
     layers = layer_units(module, cfg)
-    already = checkpointing.checkpointed_units(layers)
+    already = recompute.checkpointed_units(layers)
     return already if already else None
 
 

@@ -1,9 +1,20 @@
 """LinsRuntime: a model's units, process groups and hooks under one plan; the only door into them for the
-engine, the optimizer, the checkpoints and users (docs/design.md §4)."""
+engine, the optimizer, the checkpoints and users (docs/design.md §4).
+
+Each step of training has one method here and one caller:
+
+    backward starts   begin_backward()     LinsOptimizer.backward_prologue (DeepSpeed calls it per backward)
+    backward ends     end_backward()       LinsOptimizer.backward_epilogue
+    boundary          finish_gradients()   LinsOptimizer.step: the window's gradients final
+    update            (the optimizer, on os_ranges())
+    P-sync            sync_parameters()    LinsOptimizer.step (and a checkpoint load)
+
+The forward is the executor's hooks'. ``Progress`` says where training is; only these methods change it.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -11,16 +22,19 @@ from .. import comm
 from ..plan import Plan
 from ..plan.layout import is_first_replica
 from .assign import assign_units, build_unit
-from .executor import Executor
+from .executor import Executor, Phase, Progress
 from .materialize import Materializer, is_deferred
 
 
 class LinsRuntime:
     def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True,
-                 device: Optional[torch.device] = None, check_collectives: bool = False):
+                 device: Optional[torch.device] = None, check_collectives: bool = False,
+                 ends_window: Callable[[], bool] = lambda: True):
+        """``ends_window()``, asked once as each backward starts: does this backward end an accumulation
+        window (the engine knows: its micro-step count, ``no_sync``)."""
         self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
-        self.module, self.overlap_param_sync = module, overlap_param_sync
+        self.module, self.overlap_param_sync, self._ends_window = module, overlap_param_sync, ends_window
         self.groups = comm.Groups(self.topo, self.layout, check_order=check_collectives)
         self._checks = 0
         group_of = {}
@@ -30,14 +44,20 @@ class LinsRuntime:
                     group_of.setdefault(p, gi)
         # a model built without values (lins_ds.init, the meta device) gets them unit by unit, and the rest whole
         mat = Materializer(module, device) if is_deferred(module) else None
-        self.units = [build_unit(name, mods, params, group_of, self.topo, self.layout, self.groups, accum_dtype,
-                                 reduce_dtype, mat, device)
-                      for name, mods, params in assign_units(module, group_of, unit_modules)]
+        root_params, layer_entries = assign_units(module, group_of, unit_modules)
+
+        def build(name, mods, params, is_root=False):
+            return build_unit(name, mods, params, group_of, self.topo, self.layout, self.groups, accum_dtype,
+                              reduce_dtype, mat, device, is_root)
+
+        root = build("root", [], root_params, is_root=True) if root_params else None
+        layers = [build(name, mods, params) for name, mods, params in layer_entries]
         if mat is not None:
             _materialise_outside_units(module, mat, device)
-        root = self.units[0] if self.units and self.units[0].name == "root" else None
+        self.units = ([root] if root is not None else []) + layers  # read-only: root first, then the layers
         self.device = self.units[0].device if self.units else (device or torch.device("cpu"))
-        self._executor = Executor(module, root, self.units[1:] if root is not None else self.units, reduce_dtype)
+        self.progress = Progress()
+        self._executor = Executor(module, root, layers, reduce_dtype, self.progress)
         self.os_replicas = self.topo.world_size // self.layout.os.size
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
@@ -52,32 +72,35 @@ class LinsRuntime:
 
     def unit_sizes(self) -> list:
         """(padded numel, is_root) per unit, as ``lins_ds.plan.cost.schedule`` takes them."""
-        return [(u.spec.padded, u is self._executor.root) for u in self.units]
+        return [(u.spec.padded, u.is_root) for u in self.units]
 
-    # --- one backward ------------------------------------------------------------------------
-    def begin_backward(self, boundary: bool) -> None:
-        """A backward starts; ``boundary``: it ends an accumulation window (replica AllReduces start in it)."""
-        self._executor.begin_backward(boundary)
+    # --- the steps of training, one caller each (module docstring) ----------------------------
+    def begin_backward(self) -> None:
+        self.progress.phase, self.progress.ends_window = Phase.BACKWARD, self._ends_window()
+        self._executor.begin_backward()
 
-    def post_backward(self) -> None:
-        """The backward ended: reduce what is left, release gathered units. Idempotent per backward."""
-        if self._executor.in_backward:
-            self._executor.post_backward()
+    def end_backward(self) -> None:
+        """Reduce what is left, in order; at a window's end the replica AllReduces are all in flight."""
+        self._executor.end_backward()
+        self.progress.phase = Phase.FORWARD
 
-    def reduce_at_boundary(self) -> None:
-        """Every G chunk all-reduced over its replicas (launched during the last backward where possible)
-        and waited for. Idempotent: the engine's boundary and the optimizer's step may both call it."""
-        self._executor.drain()
-        for unit in self._executor.order:
-            self._executor.start_replica_reduce(unit)
-        self._executor.finish_replica_reduces(self.units)
+    def finish_gradients(self) -> None:
+        """The boundary: every G chunk all-reduced over its replicas (launched during the last backward where
+        possible) and waited for, and no P-sync left in flight (the update writes the P storage)."""
+        self.progress.phase = Phase.BOUNDARY
+        self._executor.finish_window()
+        for unit in self.units:
+            unit.wait_param_sync()
 
-    def check_collectives(self) -> None:
-        """With ``lins.check_collectives``: every rank issued the same collectives, in the same order on each
-        group, since the last check (called by every rank at each optimizer step); else nothing."""
-        if self.groups.issued is not None:
-            self._checks += 1
-            comm.check_order(self.groups, f"optimizer step {self._checks}")
+    @torch.no_grad()
+    def sync_parameters(self) -> None:
+        """After the update: gather each P chunk from the OS chunks of its P-sync group (asynchronously
+        when overlapping; each unit's next use waits for its own gather)."""
+        self.release_all()  # gathered copies are stale now
+        for unit in self.units:
+            unit.wait_param_sync()
+            unit.start_param_sync(async_op=self.overlap_param_sync)
+        self.progress.phase = Phase.FORWARD
 
     def zero_gradients(self) -> None:
         for unit in self.units:
@@ -88,15 +111,27 @@ class LinsRuntime:
         for unit in self.units:
             unit.attach_grads()
 
-    # --- parameters ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def sync_parameters(self) -> None:
-        """After the update: gather each P chunk from the OS chunks of its P-sync group (asynchronously
-        when overlapping; each unit's next use waits for its own gather)."""
-        self.release_all()  # gathered copies are stale now
-        for unit in self.units:
-            unit.start_param_sync(async_op=self.overlap_param_sync)
+    def check_collectives(self) -> None:
+        """With ``lins.check_collectives``: every rank issued the same collectives, in the same order on each
+        group, since the last check (called by every rank at each optimizer step); else nothing."""
+        if self.groups.issued is not None:
+            self._checks += 1
+            comm.check_order(self.groups, f"optimizer step {self._checks}")
 
+    # --- what the optimizer and the checkpoints see ----------------------------------------------
+    def os_ranges(self, group: int) -> list:
+        """This rank's part of param group ``group`` in each unit's OS chunk (``OSRange``), root first."""
+        return [r for r in (u.os_range(group) for u in self.units) if r is not None]
+
+    def os_grads(self) -> list:
+        """Each unit's accumulated gradient of this rank's OS chunk (padding included, which stays zero)."""
+        return [u.os_grad() for u in self.units]
+
+    def param_groups_by_name(self) -> dict:
+        """Trainable parameter name -> optimizer param group index."""
+        return {s.name: s.group for u in self.units for s in u.slots}
+
+    # --- parameters ----------------------------------------------------------------------------
     def gather_all(self) -> None:
         """Every unit's full parameters current (``state_dict``, evaluation outside forward)."""
         for unit in self.units:
@@ -109,10 +144,7 @@ class LinsRuntime:
     def wait(self) -> None:
         """Wait for every collective still in flight (P-sync, prefetch, ReduceScatter, AllReduce); issues
         none. After it the parameters, P chunks and OS chunks may be read and written directly."""
-        self._executor.drain()
-        for unit in self.units:
-            unit.wait_all()
-        self._executor.finish_replica_reduces([])
+        self._executor.complete_in_flight()
 
     def destroy(self) -> None:
         """Idempotent; issues no collective (it runs from ``atexit`` and ``__del__`` too)."""

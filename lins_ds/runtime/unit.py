@@ -5,13 +5,21 @@ parameters live in one flat buffer, ordered by optimizer param group so that eac
 contiguous range, and padded so that s_os chunks of ``ALIGN``-multiple length cover it. Offsets of
 the chunks this rank owns come from the pure layout; nothing here re-derives the plan.
 
-The unit owns its state; callers ask for transitions, never set a state themselves:
+The unit owns its state; callers ask for transitions, and each transition checks the state it starts from
+(``UnitStateError`` otherwise, as FSDP2's ``_assert_in_states``):
 
     parameters  SHARDED --start_gather--> GATHERING --wait_gather--> GATHERED --release--> SHARDED
-                (s_p == 1: always GATHERED)
-    gradients   ACCUMULATING --all grads in, start_reduce--> REDUCING --finish_reduce--> REDUCED
-                REDUCED --start_replica_reduce (boundary)--> REPLICA_REDUCED
-                REDUCED --begin_backward--> ACCUMULATING;  any --reset_grads--> ACCUMULATING
+                SHARDED --start_param_sync--> SYNCING --wait_param_sync--> SHARDED
+                (s_p == 1: GATHERED --start_param_sync--> SYNCING --wait_param_sync--> GATHERED)
+    gradients   ACCUMULATING --start_reduce--> REDUCING --finish_reduce--> REDUCED
+                (s_g == 1: start_reduce goes straight to REDUCED)
+                REDUCED --begin_backward--> ACCUMULATING              (the next micro-batch of the window)
+                REDUCED --start_replica_reduce--> REPLICA_REDUCING --finish_replica_reduce--> FINAL
+                (one replica: start_replica_reduce goes straight to FINAL)
+                ACCUMULATING / REDUCED / FINAL --reset_grads (after the step)--> ACCUMULATING
+
+The optimizer and the checkpoints see a unit only through ``OSRange``: one param group's part of this
+rank's OS chunk, its parameter and gradient views, and the parameter names it covers.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -36,13 +44,19 @@ class ParamState(enum.Enum):
     SHARDED = "sharded"  # only the P chunk is materialised (s_p > 1)
     GATHERING = "gathering"  # an AllGather into the full buffer is in flight (prefetch)
     GATHERED = "gathered"  # the full buffer is materialised; parameters are views into it
+    SYNCING = "syncing"  # after the update, the P chunk is being rebuilt from the OS chunks (P-sync in flight)
 
 
 class GradState(enum.Enum):
     ACCUMULATING = "accumulating"  # this backward's gradients are arriving in the parameters' .grad
     REDUCING = "reducing"  # their ReduceScatter is in flight (s_g > 1)
     REDUCED = "reduced"  # this backward's gradient is in the G accumulator
-    REPLICA_REDUCED = "replica-reduced"  # the G chunk's AllReduce over its replicas was launched (boundary)
+    REPLICA_REDUCING = "replica-reducing"  # the window's G chunk is being all-reduced over its replicas
+    FINAL = "final"  # the window's gradient, summed over every rank, is in the G accumulator
+
+
+class UnitStateError(RuntimeError):
+    """A transition asked of a unit in a state it does not start from: a bug in who drives the unit."""
 
 
 @dataclass(frozen=True)
@@ -77,14 +91,37 @@ class ChunkSpec:
         return cls(padded, c.p * p_size, p_size, c.g * g_size, g_size, c.os * os_size, os_size)
 
 
+@dataclass(frozen=True)
+class OSRange:
+    """One optimizer param group's part [lo, hi) (unit coordinates) of a unit's OS chunk on this rank."""
+
+    unit: "Unit"
+    group: int
+    lo: int
+    hi: int
+
+    def params(self) -> torch.Tensor:
+        """The parameters of the range (a view into the P storage: the optimizer writes updates here)."""
+        return self.unit.p_storage[self.lo - self.unit.p_base:self.hi - self.unit.p_base]
+
+    def grads(self) -> torch.Tensor:
+        """The window's accumulated gradient of the range (a view into the G accumulator)."""
+        return self.unit.g_acc[self.lo - self.unit.g_base:self.hi - self.unit.g_base]
+
+    def by_parameter(self) -> Iterator[tuple]:
+        """(parameter name, [a, b) within the parameter, [s, e) within the range) for each parameter it covers."""
+        for slot, ab, se in self.unit.slices_by_parameter(self.lo, self.hi):
+            yield slot.name, ab, se
+
+
 class Unit:
     """One unit's storage and state. ``full`` holds the gathered parameters (always, when s_p == 1);
     ``p_shard`` the P chunk when s_p > 1; ``g_acc`` the accumulated G chunk (the whole unit when s_g == 1)."""
 
     def __init__(self, name: str, slots: list, spec: ChunkSpec, layout: Layout, groups: comm.Groups,
                  accum_dtype: torch.dtype, reduce_dtype: torch.dtype, modules: Optional[list] = None,
-                 materializer=None, device: Optional[torch.device] = None):
-        self.name, self.slots, self.spec, self.modules = name, slots, spec, modules or []
+                 materializer=None, device: Optional[torch.device] = None, is_root: bool = False):
+        self.name, self.slots, self.spec, self.modules, self.is_root = name, slots, spec, modules or [], is_root
         self.groups, self.reduce_dtype = groups, reduce_dtype
         self.sharded_p, self.sharded_g = layout.p.size > 1, layout.g.size > 1
         dtypes, devices = {s.param.dtype for s in slots}, {s.param.device for s in slots}
@@ -98,7 +135,7 @@ class Unit:
         # a deferred root unit (embeddings and heads: often the largest) with P sharded is never written whole:
         # its P chunk is filled module by module (the full buffer, never touched, only gives the parameters
         # their views); a layer unit is filled through its buffer, one unit at a time (docs/design.md §10)
-        by_module = materializer is not None and self.sharded_p and name == "root"
+        by_module = materializer is not None and self.sharded_p and is_root
         self.full = (torch.empty if by_module else torch.zeros)(spec.padded, dtype=self.dtype, device=self.device)
         self.p_shard = (torch.zeros(spec.p_size, dtype=self.dtype, device=self.device) if by_module else None)
         with torch.no_grad():
@@ -126,10 +163,15 @@ class Unit:
         self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
         self._no_grad: set = set()  # parameters this backward does not reach (counted in _pending)
         self._gather_work = self._sync_work = self._replica_work = None
-        self._reduce = None  # (work, output, staging) of an in-flight ReduceScatter
-        self._replica_tmp = None
+        self._reduce = None  # (work, output) of an in-flight ReduceScatter
+        self._replica_tmp = None  # the reduce-dtype copy an in-flight replica AllReduce works on
         self._grads_attached = False
         self.release()
+
+    def _expect(self, state, allowed: tuple, transition: str) -> None:
+        if state not in allowed:
+            raise UnitStateError(f"lins: unit {self.name}: {transition} from {state.value}, expected "
+                                 f"{' or '.join(a.value for a in allowed)}")
 
     # --- parameters ------------------------------------------------------------------------
     @property
@@ -146,12 +188,13 @@ class Unit:
         return self.spec.g_start if self.sharded_g else 0
 
     @property
-    def syncing(self) -> bool:
-        """A P-sync AllGather (after the optimizer step) is in flight."""
-        return self._sync_work is not None
+    def _at_rest(self) -> ParamState:
+        """The parameters' state with nothing in flight and nothing gathered for use."""
+        return ParamState.SHARDED if self.sharded_p else ParamState.GATHERED
 
     def start_gather(self) -> None:
-        """Launch the AllGather of the full parameters without waiting (prefetch); a no-op unless SHARDED."""
+        """Launch the AllGather of the full parameters without waiting (prefetch); once per use: nothing to do
+        when the gather is in flight or done. A P-sync still in flight is waited for first."""
         self.wait_param_sync()
         if self.param_state is not ParamState.SHARDED:
             return
@@ -159,7 +202,7 @@ class Unit:
         if self.full.untyped_storage().size() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
         self._gather_work = comm.all_gather(self.groups, "p", self.full, self.p_shard, async_op=True,
-                                           tag=self.name)
+                                            tag=self.name)
         self.param_state = ParamState.GATHERING
 
     def wait_gather(self) -> None:
@@ -172,8 +215,9 @@ class Unit:
             self.param_state = ParamState.GATHERED
 
     def release(self) -> None:
-        """Free the full buffer (s_p > 1), never while a collective still writes into it."""
-        if not self.sharded_p or self.param_state is ParamState.SHARDED:
+        """Free the full buffer (s_p > 1), never while a collective still writes into it. Nothing to do when it
+        is not gathered (SHARDED, or SYNCING: a unit the last forward did not use)."""
+        if not self.sharded_p or self.param_state in (ParamState.SHARDED, ParamState.SYNCING):
             return
         self.wait_gather()
         self.full.untyped_storage().resize_(0)
@@ -181,14 +225,16 @@ class Unit:
 
     def start_param_sync(self, async_op: bool) -> None:
         """After the optimizer: this rank's P chunk from the OS chunks of its P-sync group."""
+        self._expect(self.param_state, (self._at_rest,), "start_param_sync")  # never while gathered or gathering
         work = comm.all_gather(self.groups, "p_sync", self.p_storage, self.os_params(), async_op=async_op,
                                tag=self.name)
-        self._sync_work = work if async_op else None
+        if async_op and work is not None:
+            self._sync_work, self.param_state = work, ParamState.SYNCING
 
     def wait_param_sync(self) -> None:
-        if self._sync_work is not None:
+        if self.param_state is ParamState.SYNCING:
             self._sync_work.wait()
-            self._sync_work = None
+            self._sync_work, self.param_state = None, self._at_rest
 
     def p_shard_write(self, slot, flat: torch.Tensor) -> None:
         """Copy the part of ``slot``'s flat values that lies in this rank's P chunk into it."""
@@ -220,6 +266,13 @@ class Unit:
             s.param.grad = views[i] if views is not None else None
         self._grads_attached = True
 
+    def begin_backward(self) -> None:
+        """A backward of the accumulation window starts (the first, or the next micro-batch's)."""
+        self._expect(self.grad_state, (GradState.ACCUMULATING, GradState.REDUCED), "begin_backward")
+        if not self._grads_attached:
+            self.attach_grads()
+        self.grad_state = GradState.ACCUMULATING
+
     def grad_arrived(self, param) -> bool:
         """Note ``param``'s gradient; True once every parameter of the unit has one in this backward (or is
         known to get none)."""
@@ -247,16 +300,11 @@ class Unit:
                 "use_reentrant=False")
         self._no_grad.discard(param)
 
-    def begin_backward(self) -> None:
-        if not self._grads_attached:
-            self.attach_grads()
-        if self.grad_state is GradState.REDUCED:
-            self.grad_state = GradState.ACCUMULATING
-
     def start_reduce(self, staging: Optional[torch.Tensor]) -> bool:
         """Move this backward's gradients towards the G accumulation: local accumulation when s_g = 1 (in
         place where the gradients are views into it), else a ReduceScatter launched now, staged in
         ``staging``. True when a ReduceScatter is in flight (``finish_reduce`` completes it)."""
+        self._expect(self.grad_state, (GradState.ACCUMULATING,), "start_reduce")
         self._pending.clear()
         self._no_grad.clear()
         if self.in_place:
@@ -276,6 +324,7 @@ class Unit:
 
     def finish_reduce(self) -> None:
         """Wait for the ReduceScatter and accumulate its chunk."""
+        self._expect(self.grad_state, (GradState.REDUCING,), "finish_reduce")
         work, out = self._reduce
         if work is not None:
             work.wait()
@@ -284,27 +333,31 @@ class Unit:
         self.grad_state = GradState.REDUCED
 
     def start_replica_reduce(self) -> bool:
-        """The G chunk is final for this accumulation window: AllReduce it over its replicas (once). True when
-        the AllReduce runs on a reduce-dtype copy in flight (memory ``finish_replica_reduce`` frees)."""
-        if self.grad_state is GradState.REPLICA_REDUCED:
+        """The G chunk is final for this accumulation window: AllReduce it over its replicas. True when the
+        AllReduce runs on a reduce-dtype copy in flight (memory ``finish_replica_reduce`` frees). A window
+        without a backward (ACCUMULATING) reduces its zeros like any other."""
+        self._expect(self.grad_state, (GradState.REDUCED, GradState.ACCUMULATING), "start_replica_reduce")
+        if self.groups.size("g_replica") == 1:
+            self.grad_state = GradState.FINAL
             return False
-        if self.groups.size("g_replica") > 1:
-            tmp = None if self.g_acc.dtype == self.reduce_dtype else self.g_acc.to(self.reduce_dtype)
-            self._replica_work = comm.all_reduce(self.groups, "g_replica", self.g_acc if tmp is None else tmp,
-                                                 async_op=True, tag=self.name)
-            self._replica_tmp = tmp
-        self.grad_state = GradState.REPLICA_REDUCED
-        return self._replica_tmp is not None
+        tmp = None if self.g_acc.dtype == self.reduce_dtype else self.g_acc.to(self.reduce_dtype)
+        self._replica_work = comm.all_reduce(self.groups, "g_replica", self.g_acc if tmp is None else tmp,
+                                             async_op=True, tag=self.name)
+        self._replica_tmp = tmp
+        self.grad_state = GradState.REPLICA_REDUCING
+        return tmp is not None
 
     def finish_replica_reduce(self) -> None:
-        if self._replica_work is not None:
-            self._replica_work.wait()
+        self._expect(self.grad_state, (GradState.REPLICA_REDUCING,), "finish_replica_reduce")
+        self._replica_work.wait()
         if self._replica_tmp is not None:
             self.g_acc.copy_(self._replica_tmp)
         self._replica_work = self._replica_tmp = None
+        self.grad_state = GradState.FINAL
 
     def reset_grads(self) -> None:
         """After the optimizer step (or a skipped one): an empty accumulator for the next window."""
+        self._expect(self.grad_state, (GradState.ACCUMULATING, GradState.REDUCED, GradState.FINAL), "reset_grads")
         if self._g_acc is not None:
             self._g_acc.zero_()
         self._pending.clear()
@@ -312,13 +365,14 @@ class Unit:
         self.grad_state = GradState.ACCUMULATING
 
     def wait_all(self) -> None:
-        """Wait for every collective of this unit still in flight; issues none."""
+        """Complete every collective of this unit still in flight; issues none."""
         self.wait_param_sync()
         if self.param_state is ParamState.GATHERING:
             self.wait_gather()
         if self.grad_state is GradState.REDUCING:
             self.finish_reduce()
-        self.finish_replica_reduce()
+        if self.grad_state is GradState.REPLICA_REDUCING:
+            self.finish_replica_reduce()
 
     def _adopt_grads(self) -> None:
         """In-place mode: a .grad that autograd allocated itself (after someone set grads to None)
@@ -350,14 +404,14 @@ class Unit:
             return None
         return mine[0].offset, mine[-1].offset + mine[-1].numel
 
-    def os_segment(self, group: int) -> Optional[tuple]:
+    def os_range(self, group: int) -> Optional[OSRange]:
         """The part of param group ``group`` inside this rank's OS chunk, or None."""
         rng = self.group_range(group)
         if rng is None:
             return None
         lo = max(rng[0], self.spec.os_start)
         hi = min(rng[1], self.spec.os_start + self.spec.os_size)
-        return (lo, hi) if lo < hi else None
+        return OSRange(self, group, lo, hi) if lo < hi else None
 
     def os_grad(self) -> torch.Tensor:
         """The accumulated gradient of this rank's OS chunk (a view into ``g_acc``)."""
@@ -369,9 +423,9 @@ class Unit:
         start = self.spec.os_start - self.p_base
         return self.p_storage[start:start + self.spec.os_size]
 
-    def pieces(self, lo: int, hi: int):
+    def slices_by_parameter(self, lo: int, hi: int):
         """(slot, [a, b) within the parameter, [s, e) within [lo, hi)) for every parameter overlapping the
-        unit range [lo, hi): what a range of this unit is, by parameter name (checkpoints)."""
+        unit range [lo, hi): what a range of this unit is, by parameter name."""
         for slot in self.slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < b:

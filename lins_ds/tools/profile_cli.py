@@ -12,10 +12,9 @@ import torch.distributed as tdist
 from ..plan import Topology, TrainingSpec, candidates, load_model
 from ..plan.cost import model_units, required_meshes
 from ..plan.profile_table import bus_factor
-from ..profiler import cache, host
+from ..comm import local_world_size, set_virtual_node
+from ..profiler import cache
 from ..profiler.measure import FULL, QUICK, measure, sizes
-from ..comm import local_world_size
-from .baselines import set_virtual_node
 
 
 def _init():
@@ -40,7 +39,7 @@ def summary(table) -> str:
     return "\n".join(lines)
 
 
-def _measure(args, topo: Topology, device) -> tuple:
+def _measure(args, topo: Topology, device, extra_meta: dict) -> tuple:
     """(table, seconds): every op on every candidate mesh, written to --out or the cache (rank 0)."""
     meshes = required_meshes(topo, candidates(topo))
     params = dict(QUICK if args.quick else FULL)
@@ -53,9 +52,8 @@ def _measure(args, topo: Topology, device) -> tuple:
         bar = tqdm(total=total, desc="lins profile", unit="point")
     key = cache.launch_key(topo, device)
     t0 = time.perf_counter()
-    host_s = host.slowest_rank(device)  # the simulator scales DeepSpeed's per-fetch cost by it
     table = measure(topo, meshes, device, meta={**key, "source": f"measured:{'quick' if args.quick else 'full'}",
-                                                "host_s_per_module": host_s},
+                                                **extra_meta},
                     progress=(lambda _: bar.update(1)) if bar else None, **params)
     elapsed = time.perf_counter() - t0
     if tdist.get_rank() == 0:
@@ -63,8 +61,6 @@ def _measure(args, topo: Topology, device) -> tuple:
         out = args.out or cache.cache_path(key)
         cache.save(out, table)
         print(summary(table))
-        print(f"host: {1e6 * table.meta['host_s_per_module']:.1f} us per module pass (lins_ds.profiler.host; "
-              f"lins-ds simulate scales DeepSpeed's per-fetch cost by it)")
         print(f"measured {total} points over {len(meshes)} meshes in {elapsed:.1f} s; wrote {out}")
     return table, elapsed
 
@@ -95,7 +91,7 @@ def _memory(args, device) -> None:
 
     from .. import dtypes
     from ..runtime import memory_probe
-    from .baselines import llama_config
+    from .llama import llama_config
 
     with torch.device("meta"):  # only the head and one layer unit get memory, for the probe
         model = transformers.LlamaForCausalLM(llama_config(args.model, args.seq_len)).to(dtypes.torch_dtype(args.dtype))
@@ -109,13 +105,15 @@ def _memory(args, device) -> None:
               f"{prof.layer_transient / 2**20:.1f} MiB more; the head peaks at {prof.head_peak / 2**20:.1f} MiB")
 
 
-def run(args) -> int:
+def run(args, measure_meta=None) -> int:
+    """``measure_meta(device)``, run by every rank before measuring: more entries for the table's meta (the
+    benchmark's host probe)."""
     if args.gpus_per_node:
         set_virtual_node(args.gpus_per_node)
     device = _init()
     L = args.gpus_per_node or local_world_size()
     topo = Topology(tdist.get_world_size() // L, L)
-    table, elapsed = _measure(args, topo, device)
+    table, elapsed = _measure(args, topo, device, measure_meta(device) if measure_meta else {})
     if args.validate:
         _validate(args, table, topo, device, elapsed)
     if args.memory:

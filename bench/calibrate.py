@@ -1,7 +1,7 @@
 """The simulator held to measurement (docs/design.md §11): the terms the byte model leaves out, fitted from GPU
 runs of every system at once, and every run's predicted step next to its measured one.
 
-A run is one row of a ``lins-ds bench`` result (``bench.json``): a system (a DeepSpeed mode, or Lins with its
+A run is one row of a ``python -m bench run`` result (``bench.json``): a system (a DeepSpeed mode, or Lins with its
 plan), a model, a batch, a topology (the real host, or emulated nodes). The simulator prices it term by term
 (``simulate.StepTerms``) with the measured collective table of that topology. The measured step is then fitted
 as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as much as a 5 s one)::
@@ -11,7 +11,7 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
          + max(comm_factor[system] * exposed,    the modelled exposed communication, per system, or
                per_fetch * fetches * host    DeepSpeed's module fetches, whichever is slower: their hooks and
                + per_fetch_byte * bytes)     launches (host time: scaled by the run's measured host over the
-                                             median measured one, lins_ds.profiler.host; 1 where a run did not
+                                             median measured one, bench/host.py; 1 where a run did not
                                              measure it) and the bytes each fetch waits for. Shared by the
                                              ZeRO-3 family (ZeRO-3, ZeRO++ and MiCS run the same code); 0
                                              fetches for the others
@@ -40,7 +40,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..plan import ComputeSpec, Layout, MemorySpec, PlanError, ProfileTable, Topology, TrainingSpec, load_model
+from lins_ds.plan import ComputeSpec, Layout, MemorySpec, PlanError, ProfileTable, Topology, TrainingSpec, load_model
 import warnings
 
 from .simulate import FETCH_SYSTEMS, SYSTEMS, Overheads, StepTerms, system_terms
@@ -64,7 +64,7 @@ class Run:
     planned_peak_gb: Optional[float]  # Lins: what its plan predicted at start-up (measured activations)
     over_nocomm_s: Optional[float]  # step minus the no-communication run's, where the bench ran one
     layout: Optional[Layout]  # Lins' plan
-    host_s: Optional[float] = None  # the host's time per module during the run (profiler.host); older results: None
+    host_s: Optional[float] = None  # the host's time per module during the run (bench/host.py); older results: None
 
     @property
     def label(self) -> str:
@@ -88,7 +88,7 @@ def _flag(command: str, name: str, default: int) -> int:
 
 
 def load_runs(path: str) -> list:
-    """The runs of a ``lins-ds bench`` result."""
+    """The runs of a ``python -m bench run`` result."""
     try:
         with open(path, encoding="utf-8") as f:
             bench = json.load(f)
@@ -113,7 +113,7 @@ def load_runs(path: str) -> list:
                             step - nocomm["median_step_s"] if nocomm and r["mode"] != "nocomm" else None,
                             Layout.from_json(plan) if plan else None, r.get("host_s_per_module")))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanError) as e:
-        raise PlanError(f"{path}: not a lins-ds bench result ({e})") from None
+        raise PlanError(f"{path}: not a python -m bench run result ({e})") from None
     return runs
 
 
@@ -207,7 +207,7 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
         if settled:
             break
     else:
-        warnings.warn(f"lins-ds simulate --fit: the terms did not settle in {rounds} rounds (a run keeps changing "
+        warnings.warn(f"python -m bench simulate --fit: the terms did not settle in {rounds} rounds (a run keeps changing "
                       f"between link- and fetch-bound); the last round's terms are used")
     return ov
 
@@ -331,7 +331,7 @@ def table_text(rows: list) -> str:
 def terms_text(overheads: Overheads) -> str:
     host = overheads.host_s_per_module
     out = ["compute efficiency: " + ", ".join(f"{m} {e:.3f}" for m, e in sorted(overheads.compute.items())),
-           "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (lins_ds.profiler.host; scaled by each "
+           "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (bench/host.py; scaled by each "
                                              "run's own)" if host else "unmeasured speed (no run measured its host)"),
            f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"]
     defaulted = False
@@ -351,7 +351,7 @@ def terms_text(overheads: Overheads) -> str:
 
 def write_calibrated_profile(profile_path: str, out: str, overheads: Overheads, rows: list) -> None:
     """The measured profile with the fitted terms in its meta (``meta["simulator"]``), stored with the profile
-    they were fitted against, where ``lins-ds simulate --profile`` finds them."""
+    they were fitted against, where ``python -m bench simulate --profile`` finds them."""
     try:
         with open(profile_path, encoding="utf-8") as f:
             obj = json.load(f)
@@ -371,4 +371,4 @@ def stored(table: ProfileTable, path: str) -> Optional[Overheads]:
     try:
         return Overheads.from_json(sim["overheads"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise PlanError(f"{path}: meta.simulator is not what 'lins-ds simulate --fit' writes ({e})") from None
+        raise PlanError(f"{path}: meta.simulator is not what 'python -m bench simulate --fit' writes ({e})") from None

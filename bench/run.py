@@ -1,7 +1,7 @@
-"""``lins-ds bench``: every mode side by side in one invocation, on one host and as emulated nodes.
+"""``python -m bench run``: every mode side by side in one invocation, on one host and as emulated nodes.
 
-Each mode is one ``examples/train_llama.py`` run (same model, seed, batch and steps) launched by
-torchrun; its JSON summary is collected here. Reported per topology and mode: tokens/GPU/s, MFU,
+Each mode is one ``bench/train.py`` run (same model, seed, batch and steps) launched by torchrun from the
+repository root; its JSON summary is collected here. Reported per topology and mode: tokens/GPU/s, MFU,
 median step, peak memory, exposed communication (step time minus the no-communication limit: the
 same per-GPU work on one GPU alone), Lins' plan and predicted communication, and ratios to the best
 DeepSpeed mode and to the limit. Writes ``bench.json``, ``throughput.png`` and ``loss.png``.
@@ -13,11 +13,12 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
 
-from ..plan import Layout
+from lins_ds.plan import Layout
 
 BASELINES = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics")
 TOPOLOGIES = ("host", "emulated")  # the real host, or virtual nodes of --emulated-gpus-per-node GPUs
@@ -27,14 +28,14 @@ EXCEPTION_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt)
 NATIVE_ABORT = re.compile(r"^\s*(terminate called .*|what\(\):.*|Fatal Python error: .*)$")  # C++ / interpreter
 
 
-def example_script() -> str:
-    """The training script every mode runs: examples/train_llama.py of this checkout."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "examples", "train_llama.py")
-    if not os.path.isfile(path):
-        raise SystemExit(f"lins-ds: {path} not found; bench and demo run the example script of a clone of the "
-                         "repository (git clone ..., pip install -e .)")
-    return path
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: bench/ is not installed
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def node_size(args, topo: str, nproc: int) -> int:
@@ -59,27 +60,28 @@ def failure(output: str) -> str:
 def run_mode(args, topo: str, mode: str, nproc: int, out_dir: str, steps: int, extra=(), label=None) -> dict:
     """One training run of ``mode``'s config (``label`` names its result, default the mode)."""
     label = label or mode
-    out = os.path.join(out_dir, f"{topo}_{label}.json")
-    config = os.path.join(args.configs, CONFIG_OF.get(mode, mode) + ".json")
+    out = os.path.abspath(os.path.join(out_dir, f"{topo}_{label}.json"))  # the run's cwd is the repository
+    config = os.path.abspath(os.path.join(args.configs, CONFIG_OF.get(mode, mode) + ".json"))
     # node-sized settings (lins.gpus_per_node, hpZ and MiCS group sizes) follow the topology
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(29400 + hash((topo, label)) % 500), example_script(), "--deepspeed_config", config,
+           str(free_port()), "-m", "bench.train", "--deepspeed_config", config,
            "--model", args.model, "--seq-len", str(args.seq_len), "--steps", str(steps), "--warmup-steps",
            str(args.warmup_steps), "--micro-batch-size", str(args.micro_batch_size), "--grad-accum",
            str(args.grad_accum), "--out", out, "--gpus-per-node", str(node_size(args, topo, nproc)), *extra]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     if topo == "emulated":
         env.update(NCCL_SOCKET_NTHREADS="4", NCCL_NSOCKS_PERTHREAD="4")  # docs/design.md §11: tuned sockets
     t0 = time.time()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0 or not os.path.exists(out):
         error = failure(r.stdout + "\n" + r.stderr)
-        print(f"[bench] {topo}/{label} FAILED: {error}\n{(r.stdout + r.stderr)[-1500:]}", flush=True)
+        print(f"[bench run] {topo}/{label} FAILED: {error}\n{(r.stdout + r.stderr)[-1500:]}", flush=True)
         return {"mode": label, "topology": topo, "failed": True, "error": error}
     with open(out) as f:
         res = json.load(f)
     res.update(mode=label, topology=topo, wall_s=time.time() - t0)
-    print(f"[bench] {topo:8s} {label:12s} {res['tokens_per_gpu_s']:9.0f} tok/GPU/s  step {res['median_step_s']:.3f} s "
+    print(f"[bench run] {topo:8s} {label:12s} {res['tokens_per_gpu_s']:9.0f} tok/GPU/s  step {res['median_step_s']:.3f} s "
           f"({time.time() - t0:.0f} s)", flush=True)
     return res
 
@@ -179,7 +181,7 @@ def main(args) -> int:
     if table:
         plot(table, results + ([nocomm] if nocomm else []), args.out)
     for r in failed:
-        print(f"lins-ds bench: {r['topology']}/{r['mode']} failed: {r['error']}", file=sys.stderr)
+        print(f"bench run: {r['topology']}/{r['mode']} failed: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -200,5 +202,5 @@ def add_arguments(p) -> None:
     p.add_argument("--no-comm-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the no-communication limit (the same per-GPU work on one GPU)")
     p.add_argument("--nproc", type=int, help="GPUs to use (default: all visible)")
-    p.add_argument("--configs", default="ds_configs")
-    p.add_argument("--out", default="bench/out")
+    p.add_argument("--configs", default=os.path.join(ROOT, "ds_configs"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))

@@ -1,5 +1,5 @@
-"""``lins-ds memory-bench``: Lins' predicted peak memory next to the measured one, and DeepSpeed ZeRO-1 and
-ZeRO-3 on the same model and batch, one ``examples/train_llama.py`` run each (docs/design.md §8).
+"""``python -m bench memory``: Lins' predicted peak memory next to the measured one, and DeepSpeed ZeRO-1 and
+ZeRO-3 on the same model and batch, one ``bench/train.py`` run each (docs/design.md §8).
 
 Runs: DeepSpeed ZeRO-1 and ZeRO-3; Lins with ZeRO-1's layout and with ZeRO-3's layout (nothing
 checkpointed, and ZeRO-3's layout with every layer unit checkpointed); Lins solving under a budget between
@@ -16,13 +16,13 @@ import json
 import os
 import sys
 
-from .bench import run_mode
+from .run import ROOT, run_mode
 
 RESERVED_GIB = 2.0  # the planner's fixed reserve on GPUs (lins.reserved_gb): CUDA context, communicators
 
 
 def runs(args, partial_budget: float) -> list:
-    """(name, config, extra train_llama arguments) of each run."""
+    """(name, config, extra bench/train.py arguments) of each run."""
     out = [("zero1", "zero1", []), ("zero3", "zero3", []),
            ("lins-zero1-layout", "lins_as_zero1", ["--lins-checkpointing", "false"]),
            ("lins-zero3-layout", "lins_as_zero3", ["--lins-checkpointing", "false"]),
@@ -39,11 +39,11 @@ def partial_budget(args, ngpu: int) -> tuple:
     import torch
     import transformers
 
-    from ..plan import MemorySpec, Topology, TrainingSpec, load_model
-    from ..plan.memory import memory
-    from ..plan.topology import Factor, Layout
-    from ..runtime import memory_probe
-    from .baselines import llama_config
+    from lins_ds.plan import MemorySpec, Topology, TrainingSpec, load_model
+    from lins_ds.plan.memory import memory
+    from lins_ds.plan.topology import Factor, Layout
+    from lins_ds.runtime import memory_probe
+    from lins_ds.tools.llama import llama_config
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     with torch.device("meta"):
@@ -83,7 +83,7 @@ def row(args, name: str, res: dict, reserve: float) -> dict:
 
 
 def _layout(plan: dict) -> str:
-    from ..plan import Layout
+    from lins_ds.plan import Layout
 
     return str(Layout.from_json(plan))
 
@@ -123,11 +123,10 @@ def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     ngpu = args.nproc or max(1, torch.cuda.device_count())
     budget, note = partial_budget(args, ngpu)
-    print(f"[memory-bench] partial-checkpointing budget {budget:.2f} GiB: {note}", flush=True)
+    print(f"[bench memory] partial-checkpointing budget {budget:.2f} GiB: {note}", flush=True)
     reserve = RESERVED_GIB if torch.cuda.is_available() else 0.0
     rows, failed = [], []
     for name, config, extra in runs(args, budget):
-        args.configs = args.configs or "ds_configs"
         res = run_mode(args, "host", config, ngpu, args.out, args.steps, extra, label=name)
         if res.get("failed"):
             failed.append(res)
@@ -142,7 +141,7 @@ def main(args) -> int:
     if rows:
         plot(rows, os.path.join(args.out, f"{args.model}.png"), f"{args.model}: predicted vs measured peak")
     for r in failed:
-        print(f"lins-ds memory-bench: {r['mode']} failed: {r['error']}", file=sys.stderr)
+        print(f"bench memory: {r['mode']} failed: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -157,5 +156,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", help="comma-separated subset of the runs (default: all)")
     p.add_argument("--nproc", type=int, help="GPUs to use (default: all visible)")
     p.add_argument("--emulated-gpus-per-node", type=int, default=1)
-    p.add_argument("--configs", default="ds_configs")
-    p.add_argument("--out", default="bench/results/memory")
+    p.add_argument("--configs", default=os.path.join(ROOT, "ds_configs"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory"))

@@ -1,11 +1,11 @@
-"""Helpers that let one training script run Lins and every DeepSpeed baseline from the same code."""
+"""Helpers that let one training script (``bench/train.py``) run Lins and every DeepSpeed baseline."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 
-from ..plan import PlanError, load_model
+from lins_ds.comm import set_virtual_node
 
 
 def zero_stage(ds_config: dict) -> int:
@@ -23,7 +23,7 @@ def model_init_context(ds_config: dict, device=None):
     import deepspeed
 
     import lins_ds
-    from ..runtime.config import lins_block
+    from lins_ds.runtime.config import lins_block
 
     if lins_block(ds_config) is not None:
         return lins_ds.init(config=ds_config)
@@ -32,13 +32,6 @@ def model_init_context(ds_config: dict, device=None):
             return deepspeed.zero.MiCS_Init(config_dict_or_path=ds_config)
         return deepspeed.zero.Init(config_dict_or_path=ds_config)
     return device if device is not None else contextlib.nullcontext()
-
-
-def set_virtual_node(gpus_per_node: int) -> None:
-    """Give this process the NCCL_HOSTID of its virtual node (docs/design.md §11): NCCL then uses its network
-    transport between virtual nodes. Must run before the process group exists."""
-    rank = int(os.environ.get("RANK", "0"))
-    os.environ["NCCL_HOSTID"] = f"lins-virtual-node-{rank // gpus_per_node}"
 
 
 def emulate_nodes(ds_config: dict, gpus_per_node: int) -> dict:
@@ -59,17 +52,3 @@ def emulate_nodes(ds_config: dict, gpus_per_node: int) -> dict:
     if zero:
         cfg["zero_optimization"] = zero
     return cfg
-
-
-def llama_config(name: str, seq_len: int):
-    """A transformers LlamaConfig with the shapes of the planner's built-in model ``name``."""
-    import transformers
-
-    spec = load_model(name)
-    if spec.arch != "llama":
-        raise PlanError(f"--model {name} is a {spec.arch} model; this script trains LLaMA shapes")
-    return transformers.LlamaConfig(
-        hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate, vocab_size=spec.vocab,
-        tie_word_embeddings=spec.tied_embeddings, max_position_embeddings=max(seq_len, 128),
-        attn_implementation="sdpa")

@@ -4,12 +4,12 @@ forward and backward hooks, the work DeepSpeed's stage-3 code does per module fe
 A step that fetches module by module (DeepSpeed ZeRO-3, ZeRO++, MiCS) on a fast link is bound by the host:
 Python hooks, the dispatcher and kernel launches (bench/results/simulate/README.md has the trace). Its cost moves
 with the host's CPU, from one machine of a kind to the next and under load, so the simulator scales its fitted
-per-fetch cost by this measurement (``tools/calibrate.py``) instead of holding it constant. The modules are
+per-fetch cost by this measurement (``bench/calibrate.py``) instead of holding it constant. The modules are
 tiny, so the device finishes each kernel long before the host has launched the next: what is timed is the host.
 
 Run by every rank at once (contention for the CPU included), in a process whose engine does not exist yet:
 after it, the probe would also time the engine's own state (its hooks, its objects for the garbage collector).
-So ``lins-ds profile`` and ``examples/train_llama.py`` measure it, not the engine's start-up profiling.
+So ``python -m bench profile`` and ``bench/train.py`` measure it, not the engine's start-up profiling.
 """
 
 from __future__ import annotations
@@ -66,6 +66,6 @@ def seconds_per_module(device: torch.device) -> float:
 
 def slowest_rank(device: torch.device) -> float:
     """``seconds_per_module`` measured by every rank at once; the slowest rank's (it sets a step's pace)."""
-    from .. import comm
+    from lins_ds import comm
 
     return comm.max_over_world(seconds_per_module(device), device)

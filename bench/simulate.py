@@ -30,7 +30,7 @@ Compute: training FLOPs per token (``ModelSpec.flops_per_token``) at ``peak x ef
 twice the forward, recompute one more forward under activation checkpointing (used by a system only
 when it does not fit without). Optimizer update: the bytes it touches at full memory bandwidth.
 Step = compute + update + exposed communication, each scaled by the system's ``Overheads`` where
-they were fitted from GPU runs (``tools/calibrate.py``, ``lins-ds simulate --fit``); for the ZeRO-3 family
+they were fitted from GPU runs (``bench/calibrate.py``, ``python -m bench simulate --fit``); for the ZeRO-3 family
 the exposed part is the slower of the link and its module fetches' own cost (``StepTerms.step``). The
 efficiency is calibrated from one stated point.
 """
@@ -40,13 +40,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from ..plan import cost
-from ..plan.memory import memory
-from ..plan.model import ModelSpec
-from ..plan.profile_table import ProfileTable
-from ..plan.solver import ComputeSpec, NoFeasiblePlan, compute_seconds, optimizer_seconds, solve
-from ..plan.spec import MemorySpec, TrainingSpec
-from ..plan.topology import Factor, Layout, PlanError, Topology
+from lins_ds.plan import cost
+from lins_ds.plan.memory import memory
+from lins_ds.plan.model import ModelSpec
+from lins_ds.plan.profile_table import ProfileTable
+from lins_ds.plan.solver import ComputeSpec, NoFeasiblePlan, compute_seconds, optimizer_seconds, solve
+from lins_ds.plan.spec import MemorySpec, TrainingSpec
+from lins_ds.plan.topology import Factor, Layout, PlanError, Topology
 
 SYSTEMS = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics", "lins")
 FETCH_SYSTEMS = ("zero3", "zeropp", "mics")  # DeepSpeed's stage-3 code: parameters fetched module by module
@@ -120,7 +120,7 @@ def baseline_schedule(system: str, topo: Topology, model: ModelSpec, train: Trai
 
 @dataclass(frozen=True)
 class Overheads:
-    """Per-system costs the byte model leaves out, fitted from GPU runs of each system (``tools/calibrate.py``):
+    """Per-system costs the byte model leaves out, fitted from GPU runs of each system (``bench/calibrate.py``):
     ``comm_factor`` scales the modelled exposed communication (what the system's bucketing and scheduling make
     of the profiled collective times), ``update_factor`` the modelled optimizer update (bytes at full memory
     bandwidth; the real update makes extra copies and launches), ``per_fetch_s`` is the cost of one module fetch
@@ -132,7 +132,7 @@ class Overheads:
     compute: dict = field(default_factory=dict)  # model name -> achievable fraction of peak
     source: str = ""
     cluster: str = ""  # the compute model (cluster name) the efficiencies are fractions of
-    host_s_per_module: Optional[float] = None  # the host speed (profiler.host) at which per_fetch_s holds
+    host_s_per_module: Optional[float] = None  # the host speed (bench/host.py) at which per_fetch_s holds
 
     def terms(self, system: str) -> dict:
         return {**DEFAULT_TERMS, **self.systems.get(system, {})}

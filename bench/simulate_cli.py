@@ -1,11 +1,11 @@
-"""``lins-ds simulate``: the simulator's command line, tables and plot (the model is ``simulate.py``)."""
+"""``python -m bench simulate``: the simulator's command line, tables and plot (the model is ``simulate.py``)."""
 
 from __future__ import annotations
 
 import json
 
-from .. import plan as P
-from ..plan import cost
+from lins_ds import plan as P
+from lins_ds.plan import cost
 from . import calibrate as fitting
 from .simulate import NO_OVERHEADS, SYSTEMS, calibrate, sim_train, simulate
 
@@ -21,8 +21,37 @@ def _fitted_terms(args):
                 return found, path
             if path == args.calibration:
                 raise P.PlanError(f"--calibration {path}: holds no fitted terms (meta.simulator); write one with "
-                                  f"lins-ds simulate --fit")
+                                  f"python -m bench simulate --fit")
     return NO_OVERHEADS, None
+
+
+def add_arguments(si) -> None:
+    """The options of ``python -m bench simulate``."""
+    si.add_argument("--model", help="required unless --fit or --validate")
+    si.add_argument("--nodes", type=int, default=1)
+    si.add_argument("--gpus-per-node", type=int, help="required unless --fit or --validate")
+    si.add_argument("--seq-len", type=int, help="required unless --fit or --validate")
+    si.add_argument("--micro-batch-size", type=int, help="required unless --fit or --validate")
+    si.add_argument("--global-batch-tokens", type=int, help="required unless --fit or --validate")
+    si.add_argument("--gpu-memory-gb", type=float)
+    si.add_argument("--cluster", help="built-in cluster (default a800-ib; with fitted terms, the cluster they were "
+                    "fitted on; h200-emulated for --fit): its timing table and compute model; with --profile only "
+                    "its compute model (peak FLOP/s, memory bandwidth)")
+    si.add_argument("--profile", help="measured table from lins-ds profile for the collectives (the real host's, "
+                    "with --fit/--validate); terms that --fit stored in it are applied")
+    si.add_argument("--emulated-profile", help="with --fit/--validate: the measured table of the emulated nodes")
+    si.add_argument("--calibration", help="a profile written by --fit whose fitted terms to apply (e.g. to the "
+                    "paper's setting with --cluster)")
+    si.add_argument("--fit", nargs="+", metavar="BENCH_JSON", help="fit the per-system terms to these lins-ds "
+                    "bench results, print predicted next to measured (with leave-one-out) and write --out")
+    si.add_argument("--validate", nargs="+", metavar="BENCH_JSON", help="predicted next to measured step, "
+                    "communication and peak memory for the runs in these bench results, with the fitted terms")
+    si.add_argument("--out", help="with --fit: where to write the profile with the fitted terms")
+    si.add_argument("--systems", default="zero1,zero2,zero3,zeropp,mics,lins")
+    si.add_argument("--efficiency", type=float, help="compute efficiency; default: calibrated (see output)")
+    si.add_argument("--sweep-nodes", help="comma-separated node counts, e.g. 1,2,4,...,128")
+    si.add_argument("--plot", help="PNG of MFU against GPUs (with --sweep-nodes)")
+    si.add_argument("--format", default="table", choices=["table", "json"])
 
 
 def run(args) -> int:
@@ -133,7 +162,7 @@ def run_fit(args) -> int:
                 print(f"{label}: {sum(e <= 10 for e in errs)} of {len(errs)} runs within 10 %, largest {max(errs):.1f} %")
         print("\nper mode, repeated runs held to their median:\n" + fitting.per_mode_text(modes))
         if args.fit:
-            print(f"wrote {args.out}: {args.profile} with the fitted terms; lins-ds simulate --profile {args.out} "
+            print(f"wrote {args.out}: {args.profile} with the fitted terms; python -m bench simulate --profile {args.out} "
                   f"(or --calibration {args.out}) applies them")
     return 0
 

@@ -1,0 +1,73 @@
+"""``python -m bench COMMAND``, from the repository root (bench/README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _profile(args) -> int:
+    """``lins-ds profile`` with the host's speed in the table's meta, where the simulator finds it."""
+    import os
+
+    from lins_ds.tools.profile_cli import run
+
+    from .host import slowest_rank
+
+    def host(device) -> dict:
+        seconds = slowest_rank(device)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"host: {1e6 * seconds:.1f} us per module pass (bench/host.py; the simulator scales DeepSpeed's "
+                  "per-fetch cost by it)", flush=True)
+        return {"host_s_per_module": seconds}
+
+    return run(args, measure_meta=host)
+
+
+def _unused_params(args) -> int:
+    from .unused_params import main
+
+    main(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lins_ds.cli import add_profile_arguments
+
+    from . import memory, run, simulate_cli, unused_params
+
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="every DeepSpeed mode and Lins side by side (GPUs; one command)")
+    run.add_arguments(r)
+    r.set_defaults(func=run.main)
+    m = sub.add_parser("memory", help="predicted next to measured peak memory, Lins and DeepSpeed (GPUs)")
+    memory.add_arguments(m)
+    m.set_defaults(func=memory.main)
+    s = sub.add_parser("simulate", help="predict MFU of Lins and the DeepSpeed baselines at any scale; fit and "
+                       "check the simulator against GPU runs (--fit, --validate)")
+    simulate_cli.add_arguments(s)
+    s.set_defaults(func=simulate_cli.run)
+    p = sub.add_parser("profile", help="lins-ds profile, recording the host's speed for the simulator (every "
+                       "rank, under torchrun -m bench profile)")
+    add_profile_arguments(p)
+    p.set_defaults(func=_profile)
+    u = sub.add_parser("unused-params", help="parameters used on some ranks only: DDP, Lins and DeepSpeed (CPU)")
+    unused_params.add_arguments(u)
+    u.set_defaults(func=_unused_params)
+    return parser
+
+
+def main(argv=None) -> int:
+    from lins_ds.plan import PlanError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PlanError as e:
+        print(f"python -m bench {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The benchmark's training run: ``examples/train_llama.py`` with what a measurement needs (``python -m bench run``
+and ``memory`` launch it; run it yourself from the repository root):
+
+    torchrun --nproc_per_node 2 -m bench.train --deepspeed_config ds_configs/lins.json --model 1b \
+        --micro-batch-size 2 --grad-accum 2 --steps 10 --out run.json [--gpus-per-node 1]
+
+Beyond the example: overrides of the config (micro-batch, accumulation, Lins' budget, plan, checkpointing),
+emulated nodes (``--gpus-per-node``: NCCL_HOSTID per virtual node, node-sized settings of every mode), the
+host's speed before the engine exists, the median step after warm-up, memory by phase of the first step and
+at start-up, an optional torch.profiler summary, and a JSON summary of it all (``--out``, rank 0). ZeRO-3,
+ZeRO++ and MiCS build the model under their own init context, Lins under ``lins_ds.init``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine for configs with a "lins" block)
+from lins_ds.plan import load_model
+from lins_ds.tools.llama import llama_config, progressions
+
+from .baselines import emulate_nodes, model_init_context
+from .host import seconds_per_module
+
+H200_BF16_TFLOPS = 989.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    import deepspeed
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="a planner built-in: tiny, 1b, 7b, 13b, 30b, 65b")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the timing summary")
+    p.add_argument("--gpus-per-node", type=int, help="emulate nodes of this many GPUs on one host")
+    p.add_argument("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu")
+    p.add_argument("--grad-accum", type=int, help="override gradient_accumulation_steps")
+    p.add_argument("--lins-memory-gb", type=float, help="override lins.gpu_memory_gb (the solver's budget)")
+    p.add_argument("--lins-plan", help="override lins.plan with JSON, e.g. '{\"p\": [2, 1], \"g\": [2, 1], \"os\": [2, 1]}'")
+    p.add_argument("--lins-checkpointing", help="override lins.activation_checkpointing: true, false or a number of units")
+    p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", help="write a JSON summary here (rank 0)")
+    p.add_argument("--local_rank", type=int, default=-1)
+    deepspeed.add_config_arguments(p)
+    args = p.parse_args(argv)
+    if not args.deepspeed_config:
+        p.error("--deepspeed_config is required")
+    return args
+
+
+def ds_config_for(args: argparse.Namespace) -> dict:
+    """The DeepSpeed config file with this run's overrides applied."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    cfg = load_ds_config(args.deepspeed_config)
+    for key, value in (("train_micro_batch_size_per_gpu", args.micro_batch_size),
+                       ("gradient_accumulation_steps", args.grad_accum)):
+        if value:
+            cfg[key] = value
+            cfg.pop("train_batch_size", None)
+    if isinstance(cfg.get("lins"), dict):
+        cfg["lins"].setdefault("seq_len", args.seq_len)  # what the solver sizes activations for
+        if args.lins_memory_gb:
+            cfg["lins"] = {**cfg["lins"], "gpu_memory_gb": args.lins_memory_gb}
+        if args.lins_plan:
+            cfg["lins"] = {**cfg["lins"], "plan": json.loads(args.lins_plan)}
+        if args.lins_checkpointing:
+            cfg["lins"] = {**cfg["lins"], "activation_checkpointing": json.loads(args.lins_checkpointing)}
+    return emulate_nodes(cfg, args.gpus_per_node) if args.gpus_per_node else cfg
+
+
+def setup_device() -> torch.device:
+    import deepspeed
+
+    deepspeed.init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_engine(args, ds_config: dict, device: torch.device):
+    """The model built the way its mode wants (ZeRO-3 and Lins: sharded as it is built), then the engine."""
+    import deepspeed
+    import transformers
+
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    with model_init_context(ds_config, device):
+        model = transformers.LlamaForCausalLM(llama_config(args.model, args.seq_len))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine, model, time.perf_counter() - t0
+
+
+class Memory:
+    """Allocated / peak GiB at the phases of the first step (CUDA), to account for where memory goes."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.phases = cuda, []
+
+    def mark(self, phase: str) -> None:
+        if self.cuda:
+            self.phases.append({"phase": phase, "allocated_gb": torch.cuda.memory_allocated() / 2**30,
+                                "peak_gb": torch.cuda.max_memory_allocated() / 2**30})
+
+
+def train(args, engine, model, device) -> tuple:
+    """Per step: the mean loss over every rank's micro-batches, and the wall time; memory by phase of step 1."""
+    from deepspeed import comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = device.type == "cuda"
+    data = progressions(model.config.vocab_size, args.seq_len, engine.train_micro_batch_size_per_gpu(),
+                        args.seed + rank, device)
+    gas = engine.gradient_accumulation_steps()
+    losses, times, tracer, memory = [], [], trace(args, rank, cuda), Memory(cuda)
+    memory.mark("after deepspeed.initialize")
+    for step in range(args.steps):
+        if tracer is not None and step == args.warmup_steps:
+            tracer.__enter__()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for micro in range(gas):
+            x = next(data)
+            loss = engine(input_ids=x, labels=x).loss
+            memory.mark(f"forward {micro}") if step == 0 else None
+            engine.backward(loss)
+            memory.mark(f"backward {micro}") if step == 0 else None
+            engine.step()
+            memory.mark(f"step {micro}") if step == 0 else None
+            total += loss.detach().float() / gas
+        dist.all_reduce(total)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(total.item() / world)
+        if rank == 0:
+            print(f"step {step + 1:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms", flush=True)
+        if tracer is not None and step == args.warmup_steps + 1:
+            tracer.__exit__(None, None, None)
+            write_trace_summary(tracer, args.trace_summary, cuda)
+            tracer = None
+    return losses, times, memory.phases
+
+
+def trace(args, rank: int, cuda: bool):
+    if not args.trace_summary or rank != 0 or args.steps < args.warmup_steps + 2:
+        return None
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    return torch.profiler.profile(activities=acts)
+
+
+def write_trace_summary(prof, path: str, cuda: bool) -> None:
+    """Top operators of two profiled steps by device (or CPU) time: where a step's time goes; then by the host's
+    own time, where a launch- or hook-bound step spends it."""
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    averages = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(averages.table(sort_by=key, row_limit=30))
+        if cuda:
+            f.write("\n\nBy the host's own time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) -> dict:
+    from deepspeed import comm as dist
+
+    timed = times[args.warmup_steps:] or times
+    step_s = statistics.median(timed)
+    samples = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
+    tokens_per_gpu_s = samples * args.seq_len / step_s
+    flops = load_model(args.model).flops_per_token(args.seq_len)
+    lins = getattr(engine, "lins", None)
+    return {
+        "config": os.path.basename(str(args.deepspeed_config)), "model": args.model,
+        "world_size": dist.get_world_size(), "gpus_per_node": args.gpus_per_node, "seq_len": args.seq_len,
+        "samples_per_gpu_per_step": samples, "steps": args.steps, "median_step_s": step_s,
+        "tokens_per_gpu_s": tokens_per_gpu_s, **startup,
+        "mfu": tokens_per_gpu_s * flops / (H200_BF16_TFLOPS * 1e12) if cuda else None,
+        # training only (the statistics are reset after start-up); the worst rank's
+        "peak_memory_gb": max_over_ranks(torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
+        "peak_reserved_gb": max_over_ranks(torch.cuda.max_memory_reserved() / 2**30) if cuda else None,
+        "memory_phases": phases,
+        "losses": losses, "step_times_s": times,
+        "plan": lins.plan.to_json() if lins is not None else None,
+    }
+
+
+def max_over_ranks(x: float, cuda: bool = True) -> float:
+    from deepspeed import comm as dist
+
+    t = torch.tensor([x], dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def startup_memory(startup_s: float, cuda: bool) -> dict:
+    """Start-up wall time and peaks (GPU, and host RSS of this rank); the GPU statistics are reset after."""
+    import resource
+
+    out = {"startup_s": startup_s, "startup_host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if cuda:
+        out["startup_peak_gb"] = max_over_ranks(torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def main(argv=None) -> dict:
+    from deepspeed import comm as dist
+
+    args = parse_args(argv)
+    ds_config = ds_config_for(args)
+    device = setup_device()
+    # the host's speed (bench/host.py), every rank at once, before the model and the engine exist: what
+    # the process does later (the engine's hooks, its objects for the garbage collector) is the step's own cost
+    host_s = max_over_ranks(seconds_per_module(device), device.type == "cuda")  # the slowest rank's
+    engine, model, startup_s = build_engine(args, ds_config, device)
+    startup = startup_memory(startup_s, device.type == "cuda")
+    losses, times, phases = train(args, engine, model, device)
+    summary = summarize(args, engine, losses, times, phases, startup, device.type == "cuda")
+    summary["host_s_per_module"] = host_s
+    if dist.get_rank() == 0 and args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    engine.destroy()
+    # torch asks every process to end with this: a gloo group left to interpreter exit can abort the process
+    # after the run has finished (pytorch/pytorch#179291; 5 of 40 two-rank runs of a minimal CPU script)
+    dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
