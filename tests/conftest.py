@@ -18,7 +18,11 @@ def _prewarm() -> None:
     with compiler runs at its first ``initialize``, transformers imports model classes lazily."""
     import torch._dynamo  # noqa: F401
     import deepspeed.ops
-    import setuptools  # noqa: F401  (DeepSpeed's op builders import it)
+
+    try:
+        import setuptools  # noqa: F401  (DeepSpeed's op builders import it)
+    except ImportError:
+        pass
 
     deepspeed.ops.__compatible_ops__  # noqa: B018  (probed once, cached in the module)
     import lins_ds  # noqa: F401
