@@ -34,7 +34,7 @@ def _unused_params(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from lins_ds.cli import add_profile_arguments
 
-    from . import memory, run, simulate_cli, unused_params
+    from . import memory, run, simulate_cli
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(p)
     p.set_defaults(func=_profile)
     u = sub.add_parser("unused-params", help="parameters used on some ranks only: DDP, Lins and DeepSpeed (CPU)")
-    unused_params.add_arguments(u)
+    u.add_argument("--out", help="where the JSON goes (default bench/results/unused_params)")
     u.set_defaults(func=_unused_params)
     return parser
 

@@ -186,21 +186,23 @@ def main(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="1b")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--grad-accum", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--model", default="1b", help="a planner built-in LLaMA: tiny, 1b, 7b, 13b, 30b (default 1b)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per GPU per micro-batch (default 2)")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step (default 2)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per mode (default 10)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the timing (default 3)")
     p.add_argument("--loss-steps", type=int, default=50, help="steps for the Lins and ZeRO-1 loss curves")
-    p.add_argument("--loss-topology", default="host")
-    p.add_argument("--modes", default="zero0,zero1,zero2,zero3,zeropp,mics,lins")
-    p.add_argument("--topologies", default="host,emulated")
+    p.add_argument("--loss-topology", default="host", help="the topology of the loss curves (default host)")
+    p.add_argument("--modes", default="zero0,zero1,zero2,zero3,zeropp,mics,lins",
+                   help="comma-separated configs of --configs to run (default: every DeepSpeed mode and Lins)")
+    p.add_argument("--topologies", default="host,emulated",
+                   help="host (the real host), emulated (virtual nodes of --emulated-gpus-per-node GPUs), or both")
     p.add_argument("--emulated-gpus-per-node", type=int, default=1,
                    help="GPUs per virtual node for the emulated topology (2 nodes x 4 on 8 GPUs: 4)")
     p.add_argument("--memory-budget-gb", type=float, help="also run Lins under this solver budget")
     p.add_argument("--no-comm-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the no-communication limit (the same per-GPU work on one GPU)")
     p.add_argument("--nproc", type=int, help="GPUs to use (default: all visible)")
-    p.add_argument("--configs", default=os.path.join(ROOT, "ds_configs"))
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
+    p.add_argument("--configs", default=os.path.join(ROOT, "ds_configs"), help="the folder of the mode configs")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "out"), help="where results and plots go")

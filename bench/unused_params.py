@@ -9,7 +9,6 @@ ranks) and its largest weight difference from DDP; writes ``unused_params.json``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -58,10 +57,6 @@ def all_runs():
     return rows
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "unused_params"))
-
-
 def main(args) -> None:
     import deepspeed
 
@@ -72,8 +67,9 @@ def main(args) -> None:
     print("|---|---|---|")
     for label, losses, diff in rows:
         print(f"| {label} | {', '.join(f'{x:.7f}' for x in losses)} | {diff:.1e} |")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "unused_params.json")
+    out = args.out or os.path.join(ROOT, "bench", "results", "unused_params")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "unused_params.json")
     with open(path, "w") as f:
         json.dump({"versions": versions, "command": "python -m bench unused-params",
                    "runs": [{"run": label, "losses": losses, "max_weight_diff_from_ddp": diff}

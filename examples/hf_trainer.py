@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 examples/hf_trainer.py --deepspeed ds_configs/hf_lins.json \\
         --output_dir out --max_steps 20 --per_device_train_batch_size 4 --save_steps 10
 
-The only Lins-specific line is ``import lins_ds``. The text is generated here (arithmetic facts),
+Nothing here names lins_ds: installed, it makes the ``"lins"`` block of the DeepSpeed config the switch (the
+same script trains under ZeRO with ``ds_configs/hf_zero1.json``). The text is generated here (arithmetic facts),
 tokenised as bytes, so nothing is downloaded. Rank 0 writes ``<output_dir>/losses.json``.
 """
 
@@ -15,8 +16,6 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 from transformers import HfArgumentParser, Trainer, TrainingArguments
-
-import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine for configs with a "lins" block)
 
 
 @dataclass

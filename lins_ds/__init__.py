@@ -1,76 +1,37 @@
 """lins_ds: Lins sharding (independent P/G/OS meshes) for DeepSpeed.
 
-``import lins_ds`` makes ``deepspeed.initialize`` build a LinsEngine for configs with a ``"lins"`` block,
-makes transformers' ``from_pretrained`` / ``from_config`` build sharded while a Lins
-``TrainingArguments(deepspeed=...)`` is alive (``lins_ds.init``), and fixes accelerate's process count for
-multi-process CPU runs with DeepSpeed (``integrations/accelerate_patch.py`` says why). It does so lazily,
-right after the program imports those packages, so the pure planner (``lins_ds.plan``, ``lins-ds plan``)
-never pulls torch in.
+Installed, lins_ds is active in every program that imports deepspeed (``lins_ds_autoload``, run at interpreter
+start-up by ``lins_ds_autoload.pth``): ``deepspeed.initialize`` builds a LinsEngine for a config with a ``"lins"``
+block; transformers' ``from_pretrained`` / ``from_config`` build sharded while a Lins
+``TrainingArguments(deepspeed=...)`` is alive (``lins_ds.init``); and accelerate counts every process of a CPU run
+of a Lins config (``integrations/accelerate_patch.py`` says why). ``import lins_ds`` does the same where autoload
+is off (``LINS_DS_AUTOLOAD=0``) or lins_ds is not installed, and extends accelerate's fix to every DeepSpeed CPU
+run. Each patch runs right after the program imports the package it patches, so the pure planner
+(``lins_ds.plan``, ``lins-ds plan``) never pulls torch in.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
+import lins_ds_autoload as _hook
 
 __version__ = "0.1.0"
+_hook.explicit = _hook.explicit or not _hook.importing  # the program's own import, not the hook's
 
 
-def _patch_deepspeed() -> None:
-    from .integrations.deepspeed_patch import install
-
+def post_import(name: str) -> None:
+    """Patch the package ``name`` that the program has just imported (``lins_ds_autoload.WATCHED``)."""
+    if name == "deepspeed":
+        from .integrations.deepspeed_patch import install
+    elif name == "accelerate.state":
+        from .integrations.accelerate_patch import install
+    elif name == "transformers.training_args":
+        from .integrations.accelerate_patch import install_training_args as install
+    else:
+        from .integrations.sharded_init import install_hf as install
     install()
 
 
-def _patch_accelerate() -> None:
-    from .integrations.accelerate_patch import install
-
-    install()
-
-
-def _patch_transformers() -> None:
-    from .integrations.sharded_init import install_hf
-
-    install_hf()
-
-
-_POST_IMPORT = {"deepspeed": _patch_deepspeed, "accelerate.state": _patch_accelerate,
-                "transformers.modeling_utils": _patch_transformers}
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs a patch right after ``import deepspeed`` / ``accelerate.state`` has executed. Stays
-    installed until then: availability probes (``importlib.util.find_spec("deepspeed")``, as
-    transformers does) get a spec too, but only an actual import executes it."""
-
-    _busy = False
-
-    def find_spec(self, name, path, target=None):
-        if name not in _POST_IMPORT or self._busy:
-            return None
-        self._busy = True
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_patch(module):
-            exec_module(module)
-            _POST_IMPORT[name]()
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
-
-
-for _name, _patch in _POST_IMPORT.items():
-    if _name in sys.modules:
-        _patch()
-if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-    sys.meta_path.insert(0, _PatchOnImport())
+_hook.install()
 
 
 def init(config=None, seed=None):

@@ -35,7 +35,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="parameter dtype")
     p.add_argument("--grad-accum-dtype", choices=["bf16", "fp16", "fp32"], help="gradient accumulation dtype (default: the parameter dtype, as DeepSpeed)")
     p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient communication dtype (default: --dtype)")
-    p.add_argument("--reserved-gb", type=float, default=2.0, help="CUDA context + communicator buffers, GiB")
+    p.add_argument("--reserved-gb", type=float, help="memory outside the allocator (CUDA context, communicator "
+                   "buffers), GiB; default 2, or 0 with a --profile measured on CPUs")
     p.add_argument("--fragmentation", type=float, default=0.05, help="allocator margin, fraction")
     p.add_argument("--objective", default="step", choices=["step", "comm"],
                    help="step (default): exposed communication after overlap + recompute + optimizer update; "
@@ -81,7 +82,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise P.PlanError("--gpu-memory-gb: required when the profile does not record the GPU memory")
     train = P.TrainingSpec(args.seq_len, args.micro_batch_size, args.grad_accum, args.dtype,
                            args.grad_accum_dtype, args.grad_reduce_dtype, activation_checkpointing=args.ckpt)
-    mem = P.MemorySpec(capacity, args.reserved_gb, args.fragmentation)
+    reserved = args.reserved_gb
+    if reserved is None:  # what the engine holds back on the profile's device (lins.reserved_gb's default)
+        reserved = 0.0 if args.profile and table.meta.get("device") == "cpu" else 2.0
+    mem = P.MemorySpec(capacity, reserved, args.fragmentation)
     try:
         sol = P.solve(model, topo, train, mem, table, compute, objective=args.objective)
     except P.NoFeasiblePlan as e:
@@ -107,13 +111,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _quiet_cpu_accelerator() -> None:
+    """DeepSpeed warns on import that it fell back to its CPU accelerator; a command that runs on the CPU anyway
+    says so itself (``DS_ACCELERATOR=cpu`` is DeepSpeed's own way to choose it, silently)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        _quiet_cpu_accelerator()
     from .tools.profile_cli import run
 
     return run(args)
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
+    _quiet_cpu_accelerator()
     from .checkpoint.consolidate import consolidate
     from .checkpoint.formats import LinsCheckpointError
 
@@ -127,6 +142,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    _quiet_cpu_accelerator()
     from .checkpoint.convert import to_universal
     from .checkpoint.formats import LinsCheckpointError
 
@@ -175,7 +191,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .plan import PlanError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in MOVED:
+    if not argv:
+        build_parser().print_help(sys.stderr)
+        return 2
+    if argv[0] in MOVED:
         print(f"lins-ds {argv[0]}: moved out of the installed package; from a clone of the repository run "
               f"`python -m bench {MOVED[argv[0]]} ...` (bench/README.md)", file=sys.stderr)
         return 2

@@ -89,7 +89,7 @@ def free_port() -> int:
 def cpu_env(**extra) -> dict:
     """The environment of a CPU launch: no GPU, one thread a process, this checkout importable."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
 def launch(cmd: list, cwd=None, timeout: float = 600, **env) -> str:

@@ -59,6 +59,8 @@ def reinit(tmp: str, name: str) -> None:
 def lins_run_cases(tmp: str) -> dict:
     sys.modules["lins_run_probe"] = probe = types.ModuleType("lins_run_probe")
     out = {"lins": run_script(tmp, LINS_SCRIPT)}
+    if out["lins"][0] is not None:
+        return out  # the script failed: its own error is the result, not what it did not leave behind
     out["in_flight"] = probe.in_flight
     out["engine_destroyed"] = probe.engine.lins.groups.destroyed
     out["engine_waited"] = not any(u.param_state is SYNCING for u in probe.engine.lins.units)
@@ -72,7 +74,7 @@ def lins_run_cases(tmp: str) -> dict:
 
 def test_lins_ds_run_destroys_the_engines_and_the_group_a_finished_script_left(tmp_path):
     for out in run(lins_run_cases, 2, str(tmp_path)):
-        assert out["lins"] == (None, False)
+        assert out["lins"] == (None, False), out["lins"]
         # the P all-gathers step() issued were not yet waited for when the script ended: waited for, then destroyed
         assert out["in_flight"] > 0 and out["engine_waited"] and out["engine_destroyed"]
         assert out["exit0"] == ("SystemExit: 0", False)

@@ -6,10 +6,10 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .. import dtypes
-from .formats import LINS, LinsCheckpointError, identify, locate
+from .formats import LINS, LinsCheckpointError, identify, locate, save_file
 from .load import ShardReader, _read, read_meta
 
 

@@ -15,6 +15,17 @@ LINS, DEEPSPEED, UNIVERSAL = "lins", "deepspeed", "deepspeed-universal"
 LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer to a universal checkpoint
 
 
+def save_file(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
+    """safetensors' save_file, leaving the file with the mode the umask gives any new file (safetensors writes
+    0600: a checkpoint or consolidated model that only its writer could read)."""
+    from safetensors.torch import save_file as _save
+
+    _save(tensors, path, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 class LinsCheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read as asked; the previous checkpoint and `latest` stay as they were."""
 

@@ -8,10 +8,9 @@ import os
 import shutil
 
 import torch
-from safetensors.torch import save_file
 
 from .. import comm
-from .formats import LinsCheckpointError
+from .formats import LinsCheckpointError, save_file
 from .layout_free import FORMAT, INCOMPLETE, LATEST, META, SAVING, range_key
 
 __all__ = ["LinsCheckpointError", "save"]

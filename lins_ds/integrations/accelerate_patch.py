@@ -8,19 +8,73 @@ every rank. Each rank then sees the whole dataset, the batch-size arithmetic use
 Trainer fails DeepSpeed's batch check), and nothing is sharded.
 
 Fix: in exactly that situation — no accelerator, ``cpu=False``, a launcher's LOCAL_RANK, DeepSpeed on —
-report the gloo backend and MULTI_CPU, which is what DeepSpeed itself uses there. Every other case
-goes to accelerate unchanged.
+report the gloo backend and MULTI_CPU, which is what DeepSpeed itself uses there, when the program imported
+lins_ds or the DeepSpeed config is a Lins one (installed, lins_ds changes no other program's runs). Every other
+case goes to accelerate unchanged.
 """
 
 from __future__ import annotations
 
+import contextvars
+import json
 import os
 
 import torch
 
+import lins_ds_autoload
+
+from ..runtime.config import lins_block
+
 
 def _no_accelerator() -> bool:
     return not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+_building_lins_args = contextvars.ContextVar("lins_training_args", default=False)  # TrainingArguments.__post_init__
+
+
+def _is_lins(config) -> bool:
+    """A DeepSpeed config (a dict, or a JSON file's path) with a ``lins`` block."""
+    if isinstance(config, str) and config.endswith(".json") and os.path.isfile(config):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return False
+    return isinstance(config, dict) and lins_block(config) is not None
+
+
+def _lins_config_in_play() -> bool:
+    """The DeepSpeed config accelerate is about to use has a ``lins`` block: the HF Trainer's (its
+    TrainingArguments being built, or a live HfDeepSpeedConfig) or ``accelerate launch``'s config file."""
+    from .sharded_init import _hf_lins_config
+
+    return (_building_lins_args.get() or _hf_lins_config() is not None
+            or _is_lins(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")))
+
+
+def install_training_args() -> None:
+    """TrainingArguments sets accelerate's state up while it is built, before the HfDeepSpeedConfig that would tell
+    a Lins config exists: say so for the duration of its ``__post_init__``."""
+    from transformers.training_args import TrainingArguments
+
+    original = TrainingArguments.__post_init__
+    if getattr(original, "_lins_patched", False):
+        return
+
+    def __post_init__(self):
+        token = _building_lins_args.set(_is_lins(getattr(self, "deepspeed", None)))
+        try:
+            original(self)
+        finally:
+            _building_lins_args.reset(token)
+
+    __post_init__._lins_patched = True
+    TrainingArguments.__post_init__ = __post_init__
+
+
+def _applies() -> bool:
+    return lins_ds_autoload.explicit or (lins_ds_autoload.lins_on() and _lins_config_in_play())
 
 
 def install() -> None:
@@ -35,7 +89,7 @@ def install() -> None:
         backend_out, dtype = original(self, cpu, sagemaker_dp, backend)
         if (backend_out is None and not cpu and not sagemaker_dp and _no_accelerator()
                 and int(os.environ.get("LOCAL_RANK", -1)) != -1
-                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"):
+                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and _applies()):
             return "gloo", DistributedType.MULTI_CPU
         return backend_out, dtype
 

@@ -3,15 +3,20 @@
 ``deepspeed.initialize`` builds its engine through the module-global name ``deepspeed.DeepSpeedEngine``,
 and HF Trainer and accelerate look ``deepspeed.initialize`` up at call time, so swapping the function
 once makes every entry point (scripts, ``deepspeed`` launcher, torchrun, Trainer, accelerate) use Lins.
-Any other config reaches DeepSpeed untouched.
+Any other config reaches DeepSpeed untouched. Where Lins is off (``LINS_DS_AUTOLOAD=0`` and the program does not
+import lins_ds), a config with a ``lins`` block reaches DeepSpeed too, and rank 0 says so loudly.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
+import sys
 
 import deepspeed
+import lins_ds_autoload
 
 _original_initialize = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
 
@@ -38,6 +43,16 @@ def initialize(*args, **kwargs):
     config = _config_of(bound)
     if lins_block(config) is None:
         return _original_initialize(*args, **kwargs)
+    if not lins_ds_autoload.lins_on():
+        _say(f"WARNING lins_ds: this DeepSpeed config has a \"lins\" block ({json.dumps(config['lins'])[:200]}) but "
+             f"Lins is off ({lins_ds_autoload.ENV}={os.environ.get(lins_ds_autoload.ENV)} and the program does not "
+             f"import lins_ds): plain DeepSpeed trains it, with its zero_optimization stage "
+             f"{(config.get('zero_optimization') or {}).get('stage', 0)}. Unset {lins_ds_autoload.ENV} (or "
+             f"`import lins_ds`) to train with Lins; remove the block to silence this.")
+        return _original_initialize(*args, **kwargs)
+    if not lins_ds_autoload.explicit:
+        _say_once("lins_ds: the config's \"lins\" block builds a LinsEngine (lins_ds is installed; "
+                  f"{lins_ds_autoload.ENV}=0 turns that off)")
     from .engine import LinsEngine
 
     saved = deepspeed.DeepSpeedEngine
@@ -48,6 +63,21 @@ def initialize(*args, **kwargs):
         return _original_initialize(*bound.args, **bound.kwargs)
     finally:
         deepspeed.DeepSpeedEngine = saved
+
+
+def _say(message: str) -> None:
+    """On rank 0 (by the launcher's RANK: the process group may not exist yet), to stderr."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+_said = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        _say(message)
 
 
 def install() -> None:

@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+import lins_ds_autoload
+
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import SEED, SOURCE
 
@@ -168,7 +170,7 @@ def _hf_lins_config() -> Optional[dict]:
 
 def _entering(fn):
     def wrapper(cls, *args, **kwargs):
-        cfg = None if active() else _hf_lins_config()
+        cfg = None if active() or not lins_ds_autoload.lins_on() else _hf_lins_config()
         if cfg is None:
             return fn(cls, *args, **kwargs)
         with init(cfg):

@@ -109,7 +109,7 @@ def to_table(sol: Solution) -> str:
     for k in TERMS:
         lines.append(f"    {k:<14}{_gib(best.memory.terms[k]):>12}")
     lines.append(f"    {'peak allocated':<14}{_gib(best.memory.allocated_gb):>12}")
-    lines.append(f"    {'total':<14}{_gib(best.memory.total_gb):>12} of {best.capacity_gb:g} GiB "
+    lines.append(f"    {'total':<14}{_gib(best.memory.total_gb):>12} of {_gib(best.capacity_gb)} "
                  f"(headroom {_gib(best.capacity_gb - best.memory.total_gb)})")
     lines.append("")
     if sol.runner_up is not None:

@@ -218,10 +218,12 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
     fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
     if not fitting:
         lack = smallest.memory.total_gb - mem.capacity_gb
+        reserve = (f", {mem.reserved_gb:g} GiB of it the reserve outside the allocator (lins.reserved_gb / "
+                   f"--reserved-gb)" if mem.reserved_gb else "")
         raise NoFeasiblePlan(
             f"no plan fits in {mem.capacity_gb:g} GiB per GPU (lins.gpu_memory_gb / --gpu-memory-gb): the "
-            f"smallest, {smallest.layout}{_describe_ckpt(smallest)}, needs {_gib(smallest.memory.total_gb)} GiB "
-            f"({_gib(lack)} GiB more than available)", smallest, mem.capacity_gb)
+            f"smallest, {smallest.layout}{_describe_ckpt(smallest)}, needs {_gib(smallest.memory.total_gb)} GiB"
+            f"{reserve} ({_gib(lack)} GiB more than available)", smallest, mem.capacity_gb)
     best = fitting[0]
     faster = [e for e in evals if not e.fits and e.objective_s < best.objective_s]
     plan = Plan(topo, best.layout, best.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,

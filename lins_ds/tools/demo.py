@@ -9,6 +9,7 @@ training, then the loss per step, which falls as the model learns the arithmetic
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -30,6 +31,8 @@ def _worker(rank: int, steps: int, rendezvous: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % GPUS_PER_NODE), WORLD_SIZE=str(NPROC),
                       LOCAL_WORLD_SIZE=str(GPUS_PER_NODE))
     torch.set_num_threads(1)
+    if rank != 0:  # rank 0 speaks for all (DeepSpeed would print its start-up lines once per process)
+        sys.stdout = open(os.devnull, "w")
     torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=NPROC)
     import deepspeed
     import transformers
