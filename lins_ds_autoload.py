@@ -13,7 +13,8 @@ import os
 import sys
 
 ENV = "LINS_DS_AUTOLOAD"
-WATCHED = ("deepspeed", "accelerate.state", "transformers.modeling_utils", "transformers.training_args")
+WATCHED = ("deepspeed", "accelerate.state", "transformers.modeling_utils", "transformers.training_args",
+           "peft.tuners.tuners_utils")
 
 explicit = False  # the program imported lins_ds itself
 importing = False  # this hook is importing lins_ds (so that import is not the program's)

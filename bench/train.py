@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lins-memory-gb", type=float, help="override lins.gpu_memory_gb (the solver's budget)")
     p.add_argument("--lins-plan", help="override lins.plan with JSON, e.g. '{\"p\": [2, 1], \"g\": [2, 1], \"os\": [2, 1]}'")
     p.add_argument("--lins-checkpointing", help="override lins.activation_checkpointing: true, false or a number of units")
+    p.add_argument("--lins-init", choices=["eager", "per_module"], help="override lins.init")
     p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
@@ -74,6 +75,8 @@ def ds_config_for(args: argparse.Namespace) -> dict:
             cfg["lins"] = {**cfg["lins"], "plan": json.loads(args.lins_plan)}
         if args.lins_checkpointing:
             cfg["lins"] = {**cfg["lins"], "activation_checkpointing": json.loads(args.lins_checkpointing)}
+        if args.lins_init:
+            cfg["lins"] = {**cfg["lins"], "init": args.lins_init}
     return emulate_nodes(cfg, args.gpus_per_node) if args.gpus_per_node else cfg
 
 

@@ -24,6 +24,8 @@ class ModelArguments:
     hidden_size: int = field(default=64)
     layers: int = field(default=2)
     samples: int = field(default=512, metadata={"help": "training sequences to generate"})
+    from_config: bool = field(default=False, metadata={"help": "build with AutoModelForCausalLM.from_config, as "
+                                                               "run_clm.py does (a Lins config: built sharded)"})
 
 
 def make_text(n_lines: int, seed: int = 0) -> str:
@@ -53,6 +55,8 @@ def build_model(m: ModelArguments):
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=m.hidden_size, intermediate_size=m.hidden_size * 3,
                                    num_hidden_layers=m.layers, num_attention_heads=4, num_key_value_heads=4,
                                    max_position_embeddings=m.seq_len)
+    if m.from_config:
+        return transformers.AutoModelForCausalLM.from_config(cfg)
     return transformers.LlamaForCausalLM(cfg)
 
 

@@ -26,6 +26,8 @@ def post_import(name: str) -> None:
         from .integrations.accelerate_patch import install
     elif name == "transformers.training_args":
         from .integrations.accelerate_patch import install_training_args as install
+    elif name == "peft.tuners.tuners_utils":
+        from .integrations.peft_patch import install
     else:
         from .integrations.sharded_init import install_hf as install
     install()

@@ -147,7 +147,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .checkpoint.formats import LinsCheckpointError
 
     try:
-        out = to_universal(args.ckpt_dir, args.out_dir, args.tag)
+        out = to_universal(args.ckpt_dir, args.out_dir, args.tag, trust_pickle=args.checkpoint_pickle)
     except LinsCheckpointError as e:
         print(f"lins-ds convert: error: {e}", file=sys.stderr)
         return 2
@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("out_dir")
     cv.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
     cv.add_argument("--to", default="deepspeed-universal", choices=["deepspeed-universal"])
+    cv.add_argument("--checkpoint-pickle", action="store_true", help="unpickle any object in the checkpoint's "
+                    "client_state (runs code: only for checkpoints you trust)")
     cv.set_defaults(func=cmd_convert)
     return parser
 

@@ -124,3 +124,52 @@ def test_consolidate_names_a_truncated_frozen_file_and_foreign_checkpoints(tmp_p
     (tmp_path / "random" / "global_step1" / "notes.txt").write_text("hello")
     code, err = cli(capsys, "consolidate", str(tmp_path / "random"), str(tmp_path / "out"), "--tag", "global_step1")
     assert code == 2 and "is not a checkpoint" in err and "notes.txt" in err and "incomplete" not in err
+
+
+# --- a checkpoint whose pickles would run code ----------------------------------------------------------------
+def write_marker(path):
+    """What a malicious pickle would call on load; here it only leaves a file."""
+    open(path, "w").write("ran")
+    return "unpickled"
+
+
+class Trap:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return write_marker, (self.path,)
+
+
+def pickled_client_state(ckpt, marker):
+    from helpers import ckpt_config
+
+    import deepspeed
+
+    engine = make_engine(PLAN_A, 2)
+    steps(engine, 0, 1)
+    engine.save_checkpoint(ckpt, client_state={"note": "kept", "trap": Trap(marker)})
+    out = {}
+    try:
+        engine.load_checkpoint(ckpt)
+        out["refused"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["refused"] = f"{type(e).__name__}: {e}"
+    torch.distributed.barrier()
+    out["marker_after_refusal"] = os.path.exists(marker)
+    cfg = ckpt_config(PLAN_A, torch.distributed.get_world_size(), 2)
+    cfg["lins"]["checkpoint_pickle"] = True
+    trusting, *_ = deepspeed.initialize(model=engine.module, config=cfg)
+    out["trusted"] = trusting.load_checkpoint(ckpt)[1]
+    engine.destroy()
+    trusting.destroy()
+    return out
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unless_trusted(tmp_path):
+    ckpt, marker = str(tmp_path / "ckpt"), str(tmp_path / "marker")
+    for r in run(pickled_client_state, 4, ckpt, marker, gpus_per_node=2):
+        assert r["refused"].startswith("LinsCheckpointError: load_checkpoint: ") and \
+            "holds test_bad_files.write_marker" in r["refused"] and '"checkpoint_pickle": true' in r["refused"], r
+        assert not r["marker_after_refusal"]  # nothing ran
+        assert r["trusted"] == {"note": "kept", "trap": "unpickled"}  # the opt-in reads it as torch.save wrote it

@@ -69,6 +69,16 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(lins_run, tmp_p
     assert max(abs(a["loss"] - b) for a, b in zip(after, losses(full)[3:])) <= 1e-5
 
 
+def test_a_model_built_from_config_trains_step_by_step_as_zero1_does(tmp_path):
+    """run_clm.py's way: from_config while a Lins TrainingArguments is alive builds sharded, with the eager build's
+    initial values (lins.init "eager"), so its losses are ZeRO-1's from the first step."""
+    args = ("--max_steps", "4", "--per_device_train_batch_size", "4", "--save_strategy", "no", "--from_config", "true")
+    lins = trainer("hf_lins.json", tmp_path / "lins", *args)
+    zero1 = trainer("hf_zero1.json", tmp_path / "zero1", *args, launcher=torchrun(2) + ["-m", "lins_ds.run"])
+    assert lins["engine"] == "LinsEngine"
+    assert max(abs(a - b) for a, b in zip(losses(lins), losses(zero1))) <= 1e-5, (losses(lins), losses(zero1))
+
+
 def test_accelerate_launch_with_a_lins_deepspeed_config_file(tmp_path):
     cfg = tmp_path / "accelerate.yaml"
     cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"

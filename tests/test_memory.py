@@ -130,3 +130,56 @@ def test_runtime_checkpoints_the_first_k_units_and_trains_exactly(tmp_path):
     assert fixed_flags == [True, False] and fixed_err <= 1e-5
     assert solved["memory_profile"] == "measured:saved-tensors" and solved_err <= 1e-5
     assert "activation_checkpointing_units" in solved
+
+
+# --- no parameter copy beyond DeepSpeed ZeRO-1's ----------------------------------------------------------------
+def live_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (what an allocator would hold)."""
+    import gc
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if storage.data_ptr() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def held_at_backward_start(lins: bool):
+    """Live bytes when the second step's backward starts (activations at their largest) and after that step."""
+    import deepspeed
+
+    from helpers import batch
+
+    model = tiny_llama()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 0 if lins else 1}, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    if lins:
+        cfg["lins"] = {"plan": {"p": [1, 1], "g": [1, 1], "os": [1, 1]}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    out = {}
+    for step in range(2):
+        x = batch(step, 0, 0, 96)
+        loss = engine(input_ids=x, labels=x).loss
+        out["backward start"] = live_bytes()
+        engine.backward(loss)
+        engine.step()
+        out["after the step"] = live_bytes()
+    engine.destroy()
+    return out
+
+
+def test_the_replicated_layout_holds_no_more_than_zero1():
+    """Lins' replicated layout keeps params, fp32 master and Adam moments as ZeRO-1 does; its gradient accumulator
+    exists only from the backward's first gradient to the step (a persistent one cost a parameter copy)."""
+    lins = run(held_at_backward_start, 1, True)[0]
+    zero1 = run(held_at_backward_start, 1, False)[0]
+    for moment in lins:
+        assert lins[moment] <= zero1[moment] * 1.01, (moment, lins, zero1)

@@ -34,5 +34,37 @@ def test_llama_7b_has_6_7b_params():
 
 
 def test_unsupported_model_type_is_named():
-    with pytest.raises(PlanError, match="model_type 'bert' is not supported"):
+    with pytest.raises(PlanError, match="model_type 'bert' is not modelled"):
         from_hf_config({"model_type": "bert"}, "x")
+
+
+TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+HF_TYPES = {
+    "MixtralConfig": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "Qwen2MoeConfig": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                       "shared_expert_intermediate_size": 40},
+    "Qwen3MoeConfig": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "head_dim": 16},
+    "GemmaConfig": {"head_dim": 16},
+    "Gemma2Config": {"head_dim": 16},
+    "Phi3Config": {"pad_token_id": 0},
+    "Qwen3Config": {"head_dim": 16},
+    "Gemma3TextConfig": {"head_dim": 16},
+}
+
+
+@pytest.mark.parametrize("cls", list(HF_TYPES))
+def test_modelled_hf_types_count_every_parameter_of_the_real_model(cls):
+    """The planner's description of each Hugging Face type it reads holds exactly as many parameters per layer
+    and in the root as transformers' own model of that config."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = getattr(transformers, cls)(**TINY, **HF_TYPES[cls])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    spec = from_hf_config(config.to_dict(), cls)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    total = sum(p.numel() for p in model.parameters())
+    assert spec.unit_params()[1:] == layers, (spec.unit_params(), layers)
+    assert spec.total_params() == total, (spec.total_params(), total)

@@ -78,6 +78,50 @@ def test_initial_values_are_the_same_for_every_plan_and_world_size():
             assert abs(t.float().std().item() / RANGE - 1) < 0.2, (name, t.std().item())
 
 
+def from_config_states(make, plans, modes):
+    """Initial state dicts of a model built from its config: eagerly, and under lins_ds.init per plan and mode."""
+    import deepspeed
+
+    out = {}
+    for plan in plans:
+        for mode in modes:
+            cfg = ds_config(plan)
+            cfg["lins"]["init"] = "eager" if mode == "eager-built" else mode
+            torch.manual_seed(11)
+            if mode == "eager-built":
+                model = make()
+            else:
+                with lins_ds.init(config=cfg):
+                    model = make()
+            drawn_after = torch.rand(4)  # what the program draws next: the same as after an eager build
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            out[(str(plan), mode)] = ({k: v.clone() for k, v in engine.module.state_dict().items()}, drawn_after)
+            engine.destroy()
+    return out
+
+
+def tiny_gpt2_from_config():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96,
+                                                                n_positions=32))
+
+
+@pytest.mark.parametrize("make", [lambda: transformers.LlamaForCausalLM(llama_config()), tiny_gpt2_from_config],
+                         ids=["llama", "gpt2"])
+def test_a_model_built_sharded_starts_bit_identical_to_the_eager_build(make):
+    """lins.init "eager" (the default): the values, and the generator's state after the build, are the eager
+    build's, on every plan; "per_module" gives other (plan-independent) values."""
+    out = run(from_config_states, 4, make, [REPLICATED, P4], ["eager-built", "eager", "per_module"],
+              gpus_per_node=2)[0]
+    eager, drawn = out[(str(REPLICATED), "eager-built")]
+    for plan in (REPLICATED, P4):
+        state, drawn_after = out[(str(plan), "eager")]
+        assert set(state) == set(eager) and all(torch.equal(state[k], eager[k]) for k in eager), plan
+        assert torch.equal(drawn_after, drawn)
+        per_module = out[(str(plan), "per_module")][0]
+        assert not all(torch.equal(per_module[k], eager[k]) for k in eager)
+        assert all(torch.equal(per_module[k], out[(str(REPLICATED), "per_module")][0][k]) for k in eager)
+
+
 # --- from_pretrained under the context: single file and sharded with an index ------------------------------
 def loaded(path, plan, inside):
     import deepspeed
@@ -195,8 +239,9 @@ def build_rss(sharded: bool):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     peak = peak_rss()
     size = sum(p.numel() for p in model.parameters()) * 4
+    largest = max(p.numel() for p in model.parameters()) * 4
     engine.destroy()
-    return peak - base, size
+    return peak - base, size, largest
 
 
 def peak_rss() -> int:
@@ -222,5 +267,7 @@ def test_host_memory_of_a_sharded_build_is_a_fraction_of_an_eager_one():
     eager = run(build_rss, 4, False, gpus_per_node=2)
     lins = run(build_rss, 4, True, gpus_per_node=2)
     assert 0.4e9 < eager[0][1] < 0.7e9
-    for (grown, _), (eager_grown, _) in zip(lins, eager):
-        assert grown < 0.4 * eager_grown, (grown, eager_grown)
+    for (grown, _, largest), (eager_grown, _, _) in zip(lins, eager):
+        # this rank's quarter and what the build keeps besides, plus one parameter whole while the eager
+        # initialisation is replayed (lins.init "eager"; "per_module" stays under 0.4 alone: 217 of 699 MB)
+        assert grown < 0.4 * eager_grown + largest, (grown, eager_grown, largest)

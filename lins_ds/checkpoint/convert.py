@@ -10,7 +10,7 @@ import torch
 
 from . import universal
 from .consolidate import checkpoint_path
-from .formats import LinsCheckpointError
+from .formats import LinsCheckpointError, load_pickle
 from .load import ShardReader, _read, read_meta
 
 def _parameters(path: str, meta: dict, reader: ShardReader):
@@ -28,7 +28,7 @@ def _parameters(path: str, meta: dict, reader: ShardReader):
         yield name, state
 
 
-def to_universal(ckpt_dir: str, out_dir: str, tag=None) -> str:
+def to_universal(ckpt_dir: str, out_dir: str, tag=None, trust_pickle: bool = False) -> str:
     path = checkpoint_path(ckpt_dir, tag)
     meta = read_meta(path)
     unknown = set(meta["elementwise_state"]) - {"exp_avg", "exp_avg_sq"}
@@ -37,7 +37,7 @@ def to_universal(ckpt_dir: str, out_dir: str, tag=None) -> str:
                                   "universal checkpoint carries Adam's (exp_avg, exp_avg_sq)")
     reader = ShardReader(path, meta["index"])
     step = reader.scalar(0, "step")
-    extra = _read(lambda p: torch.load(p, weights_only=False), os.path.join(path, "extra.pt"))
+    extra = _read(lambda p: load_pickle(p, trust_pickle), os.path.join(path, "extra.pt"))
     counters = {k: meta[k] for k in ("global_steps", "global_samples", "skipped_steps")}
     os.makedirs(out_dir, exist_ok=True)
     return universal.write(_parameters(path, meta, reader), float(step) if step is not None else 0.0,

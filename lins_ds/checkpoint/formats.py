@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +25,28 @@ def save_file(tensors: dict, path: str, metadata: Optional[dict] = None) -> None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+def load_pickle(path: str, trust: bool):
+    """A ``torch.save`` file of a Lins checkpoint (``extra.pt``: LR scheduler, loss scaler, client_state). Read with
+    ``weights_only=True`` (tensors, plain containers, numbers, strings, dtypes): unpickling anything else can run
+    code. ``trust`` (``lins.checkpoint_pickle``) reads it as ``torch.save`` wrote it."""
+    import pickle
+
+    import torch
+
+    if trust:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(e))
+        what = found.group(1) if found else "an object torch.load(weights_only=True) does not read"
+        raise LinsCheckpointError(
+            f"load_checkpoint: {path} holds {what} (in client_state or the scheduler's state); reading it would run "
+            "code the checkpoint chose. Set \"lins\": {\"checkpoint_pickle\": true} to load checkpoints you "
+            "trust (lins-ds convert: --checkpoint-pickle), or save client_state as tensors, numbers, strings, "
+            "lists and dicts") from None
 
 
 class LinsCheckpointError(RuntimeError):

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .. import comm
-from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, locate
+from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, load_pickle, locate
 from .layout_free import FORMAT, META, overlaps, range_key
 from .universal import UniversalReader, convert
 
@@ -96,10 +96,10 @@ class LinsCheckpoint:
             raise LinsCheckpointError(f"load_checkpoint: optimizer state is {theirs}'s, this engine uses {ours}; "
                                       "pass load_optimizer_states=False")
 
-    def rest(self) -> dict:
+    def rest(self, trust_pickle: bool = False) -> dict:
         """Frozen parameters and buffers, LR scheduler, loss scaler, counters, client_state."""
         frozen = _read(lambda p: load_file(p), os.path.join(self.path, "frozen.safetensors"))
-        extra = _read(lambda p: torch.load(p, weights_only=False), os.path.join(self.path, "extra.pt"))
+        extra = _read(lambda p: load_pickle(p, trust_pickle), os.path.join(self.path, "extra.pt"))
         counters = {k: self.meta[k] for k in ("global_steps", "global_samples", "skipped_steps")}
         return {"tensors": frozen, "lr_scheduler": extra["lr_scheduler"], "loss_scaler": extra["loss_scaler"],
                 "client_state": extra["client_state"], "counters": counters}
@@ -133,7 +133,8 @@ class UniversalCheckpoint:
             raise LinsCheckpointError(f"load_checkpoint: {self.origin} holds Adam's state (exp_avg, exp_avg_sq); "
                                       f"this engine uses {name}; pass load_optimizer_states=False")
 
-    def rest(self) -> dict:
+    def rest(self, trust_pickle: bool = False) -> dict:
+        """DeepSpeed's own files, read as DeepSpeed reads them (``torch.load(weights_only=False)``)."""
         ms = self.reader.model_states
         return {"tensors": self.reader.buffers(), "lr_scheduler": ms.get("lr_scheduler"), "loss_scaler": None,
                 "client_state": self.reader.client_state(), "counters": self.reader.counters()}
@@ -142,6 +143,8 @@ class UniversalCheckpoint:
 def _read(read, path: str):
     try:
         return read(path)
+    except LinsCheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to read is a broken file, named
         raise LinsCheckpointError(f"load_checkpoint: {path} is unreadable (truncated or corrupted?): "
                                   f"{type(e).__name__}: {str(e)[:200]}") from None
@@ -218,7 +221,7 @@ def _fill_optimizer(engine, ckpt, with_state: bool) -> None:
 
 @torch.no_grad()
 def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+         load_lr_scheduler_states: bool = True, load_module_only: bool = False, trust_pickle: bool = False):
     found = agreed(lambda: locate(load_dir, tag))
     if found is None:
         return None, None
@@ -227,7 +230,7 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
         agreed(lambda: ckpt.check(engine, load_module_strict, with_state))
         engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
         agreed(lambda: _fill_optimizer(engine, ckpt, with_state))
-        rest = agreed(ckpt.rest)
+        rest = agreed(lambda: ckpt.rest(trust_pickle))
     if with_state and ckpt.param_groups:
         _restore_group_hyperparameters(engine.optimizer.param_groups, ckpt.param_groups, found.kind == LINS)
     engine.lins.sync_parameters()

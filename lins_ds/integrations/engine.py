@@ -25,7 +25,7 @@ from ..runtime import memory_guard, recompute
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import is_deferred
 from ..runtime.memory_guard import report_startup
-from ..runtime.optimizer import LinsOptimizer
+from ..runtime.optimizer import LinsOptimizer, check_elementwise
 from ..runtime.planning import agree_on_plan, announce, make_plan
 from ..runtime.runtime import LinsRuntime
 from . import ds_compat
@@ -88,6 +88,7 @@ class LinsEngine(DeepSpeedEngine):
             basic = client_optimizer(model_parameters)
         basic.param_groups[:] = [pg for pg in basic.param_groups if len(pg["params"]) != 0]
         self._check_for_duplicates(basic)
+        check_elementwise(basic, self.lins_config.elementwise_optimizer)  # the same verdict on every rank
         self.basic_optimizer = basic
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
         plan, summary, self._lins_solve = make_plan(self, self.lins_config, self.lins_topology, param_dtype,
@@ -97,7 +98,7 @@ class LinsEngine(DeepSpeedEngine):
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
                                 device=torch.device(self.device), check_collectives=check,
-                                ends_window=self._reduces_this_backward)
+                                ends_window=self._reduces_this_backward, init=self.lins_config.init)
         if self.lins_config.solve or self.lins_config.activation_checkpointing is not None:
             recompute.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
@@ -172,7 +173,7 @@ class LinsEngine(DeepSpeedEngine):
         if custom_load_fn is not None:
             raise LinsConfigError("load_checkpoint: custom_load_fn is not supported by LinsEngine")
         return load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-                    load_module_only)
+                    load_module_only, trust_pickle=self.lins_config.checkpoint_pickle)
 
     def destroy(self):
         """DeepSpeed's destroy plus: wait for Lins' in-flight collectives and destroy its process groups.

@@ -26,12 +26,26 @@ import lins_ds_autoload
 
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import SEED, SOURCE
+from ..runtime.init_replay import Recorder, release
 
 _depth = 0  # nesting of init contexts (from_pretrained called inside one enters none)
+_paused = 0  # nesting of paused() blocks: parameters registered inside keep their values
 
 
 def active() -> bool:
     return _depth > 0
+
+
+@contextlib.contextmanager
+def paused():
+    """Inside an init context, modules built in this block keep real parameters (PEFT's adapters: their values
+    come from PEFT's own initialisation, and PEFT moves them to the meta device itself)."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
 
 
 class LazySlice:
@@ -68,15 +82,17 @@ def init(config=None, seed: Optional[int] = None):
     is validated now. ``seed``: the initial values' seed (default: torch's current seed)."""
     global _depth
     cfg = _load_config(config)
+    mode = "eager"
     if cfg is not None:
         block = lins_block(cfg)
         if block is None:
             raise LinsConfigError("lins_ds.init: the config has no enabled \"lins\" block; it is for Lins configs")
-        parse_lins_config(block)
+        mode = parse_lins_config(block).init
     seed = torch.initial_seed() if seed is None else seed
+    recorder = Recorder() if mode == "eager" and _depth == 0 else None  # the outermost context records
 
     def to_meta(module, name, param):
-        if param is None:
+        if param is None or _paused:
             return None
         if param.is_meta:
             if not hasattr(param, SEED):
@@ -84,16 +100,19 @@ def init(config=None, seed: Optional[int] = None):
             return None
         meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
         setattr(meta, SEED, seed)
+        if recorder is not None:
+            recorder.track(meta)
         return meta
 
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
     _depth += 1
     try:
-        with _deferred_hf_loading():
+        with _deferred_hf_loading(), recorder or contextlib.nullcontext():
             yield
     finally:
         _depth -= 1
         handle.remove()
+        release()
 
 
 @contextlib.contextmanager

@@ -4,17 +4,20 @@ The peak is the persistent state plus the larger of two phases; every term is ke
 summary can show it:
 
     persistent   params        the P storage: every unit whole (s_p = 1) or this rank's P chunk
-                 grads         the G accumulator, g_bytes x Phi / s_g
                  optimizer     fp32 master (unless params are fp32) + Adam moments, k_os x Phi / s_os
     backward     the largest of its phases (``backward_phases``: the loss's backward, a layer's backward, a
                  checkpointed layer's recompute, the root's reduction at the end), each split into
+                 grads         the G accumulators that exist then: a unit's is allocated when its first gradient
+                               arrives and freed after the optimizer step, so a window's first backward holds
+                               only the units it has reached (all of them from its second micro-batch on)
                  activations   what the layers and the head keep for backward, and the transient on top
                                (``ActivationProfile``: measured on the device, or the formula)
                  gathered      s_p > 1: the root unit and the layer units gathered then
                  grad_buffers  gradients as autograd makes them before they reach the accumulator (none
                                when each .grad is a view into it), ReduceScatter staging and outputs in
                                flight, the reduce-dtype copies of the replica AllReduce
-    step         optimizer_step  the update runs unit by unit (torch's optimizers; else all at once): one
+    step         grads         every G accumulator, g_bytes x Phi / s_g
+                 optimizer_step  the update runs unit by unit (torch's optimizers; else all at once): one
                                unit's OS chunk of fp32 gradient (when accumulated in another dtype) and
                                OPTIMIZER_TEMP_COPIES fp32 temporaries
     fixed        reserved      CUDA context and communicator buffers, outside the allocator
@@ -41,8 +44,8 @@ IN_FLIGHT_REDUCE_SCATTERS = 2  # ReduceScatters in flight before the oldest is c
 IN_FLIGHT_REPLICA_COPIES = 2  # replica AllReduces on reduce-dtype copies in flight before the oldest completes
 OPTIMIZER_TEMP_COPIES = 1  # fp32 temporaries of torch's foreach Adam(W) per updated element (sqrt(v))
 
-PERSISTENT = ("params", "grads", "optimizer")
-BACKWARD = ("activations", "gathered", "grad_buffers")
+PERSISTENT = ("params", "optimizer")
+BACKWARD = ("grads", "activations", "gathered", "grad_buffers")
 STEP = ("optimizer_step",)
 TERMS = PERSISTENT + BACKWARD + STEP + ("reserved", "margin")
 
@@ -105,7 +108,7 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
     n, k = model.num_layers, ckpt_units
     units = model.unit_params()
     root, layer = units[0], max(units[1:], default=0)
-    pb, rb = train.param_bytes, train.reduce_bytes
+    pb, rb, gb = train.param_bytes, train.reduce_bytes, train.grad_bytes
     s_p, s_g = layout.p.size, layout.g.size
     accum, reduce = train.grad_accum_dtype or train.param_dtype, train.grad_reduce_dtype or train.param_dtype
     in_place = s_g == 1 and accum == train.param_dtype  # each .grad is a view into the accumulator
@@ -116,16 +119,24 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
               if topo.world_size // s_g > 1 and accum != reduce else 0.0)
     gathered_root, gathered_layer = (root * pb, layer * pb) if s_p > 1 else (0.0, 0.0)
     kept = (n - k) * acts.layer_saved + k * acts.layer_saved_ckpt
-    phases = {"head": {"activations": kept + acts.head_peak, "gathered": gathered_root + gathered_layer,
-                       "grad_buffers": head_grads}}
+
+    def grads(layers_reached: int) -> float:
+        """The G accumulators held once the backward has reached the root and ``layers_reached`` layer units (a
+        window's first backward); every one of them from the second on."""
+        reached = root + layers_reached * layer if train.grad_accum == 1 else sum(units)
+        return reached * gb / s_g
+
+    phases = {"head": {"grads": grads(0), "activations": kept + acts.head_peak,
+                       "gathered": gathered_root + gathered_layer, "grad_buffers": head_grads}}
     busy = {"gathered": gathered_root + GATHERED_LAYERS * gathered_layer, "grad_buffers": head_grads + reducing + copies}
     if k < n:
-        phases["layers"] = {"activations": kept + acts.layer_transient, **busy}
+        phases["layers"] = {"grads": grads(1), "activations": kept + acts.layer_transient, **busy}
     if k > 0:
-        phases["recompute"] = {"activations": k * acts.layer_saved_ckpt + acts.layer_saved + acts.layer_transient,
+        phases["recompute"] = {"grads": grads(n - k + 1),
+                               "activations": k * acts.layer_saved_ckpt + acts.layer_saved + acts.layer_transient,
                                **busy}
     end = 0.0 if in_place else root * pb + root * rb + (root / s_g * rb if s_g > 1 else 0)
-    phases["end"] = {"activations": 0.0, "gathered": gathered_root, "grad_buffers": end + copies}
+    phases["end"] = {"grads": grads(n), "activations": 0.0, "gathered": gathered_root, "grad_buffers": end + copies}
     return phases
 
 
@@ -140,14 +151,20 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     worst = max(phases, key=lambda p: sum(phases[p].values()))
     step_grad = 4 if gb != 4 else 0  # the optimizer reads fp32 gradients
     piece = max(units) if train.optimizer_per_unit else phi
-    terms = {"params": pb * phi / s_p, "grads": gb * phi / s_g, "optimizer": train.optimizer_bytes * phi / s_os,
-             **phases[worst], "optimizer_step": piece / s_os * (step_grad + 4 * OPTIMIZER_TEMP_COPIES)}
-    terms = {k: v / GIB for k, v in terms.items()}
-    backward = sum(terms[k] for k in BACKWARD)
-    peak = sum(terms[k] for k in PERSISTENT) + max(backward, terms["optimizer_step"])
+    all_grads = gb * phi / s_g
+    update = piece / s_os * (step_grad + 4 * OPTIMIZER_TEMP_COPIES)
+    backward = sum(phases[worst].values())
+    stepping = update + all_grads > backward  # the step holds every G accumulator, and the update's temporaries
+    terms = {"params": pb * phi / s_p, "optimizer": train.optimizer_bytes * phi / s_os, **phases[worst],
+             "optimizer_step": update}
+    if stepping:
+        terms["grads"] = all_grads
+    terms = {k: terms[k] / GIB for k in PERSISTENT + BACKWARD + STEP}
+    peak = sum(terms[k] for k in PERSISTENT) + (terms["grads"] + terms["optimizer_step"] if stepping else
+                                                 sum(terms[k] for k in BACKWARD))
     terms["reserved"] = mem.reserved_gb
     terms["margin"] = mem.fragmentation * peak
-    phase = "optimizer step" if terms["optimizer_step"] > backward else f"backward ({worst})"
+    phase = "optimizer step" if stepping else f"backward ({worst})"
     return MemoryBreakdown(terms, peak, acts.source, phase)
 
 

@@ -1,8 +1,11 @@
 """Model descriptions for the planner: parameters per unit and activation widths.
 
 A unit is one decoder layer; everything else (embeddings, final norm, untied LM head, position
-embeddings) forms the root unit. Built-ins are the LLaMA-1 shapes; any Hugging Face ``config.json``
-of a LLaMA-style (llama, mistral, qwen2) or GPT-2 model works too.
+embeddings) forms the root unit. Built-ins are the LLaMA-1 shapes; Hugging Face ``config.json`` files of
+LLaMA-style (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, phi3), MoE (mixtral, qwen2_moe, qwen3_moe)
+and GPT-2 models are read (``SUPPORTED``). Any other model is described by the engine from the model itself
+(``measured``): its parameter counts per unit are exact, its activations measured by the memory probe where
+the device allows, else estimated from its widths (``ModelSpec.unmodelled`` says what was not modelled).
 """
 
 from __future__ import annotations
@@ -27,27 +30,55 @@ class ModelSpec:
     tied_embeddings: bool = False
     max_positions: int = 0  # learned position embeddings (gpt2)
     attention_bias: bool = False
+    head_dim: int = 0  # attention head width where it is not hidden / heads (gemma); 0: hidden // heads
+    norms_per_layer: int = 2  # RMSNorms in a layer (gemma2/3: 4)
+    qk_norm: bool = False  # RMSNorm of each head's queries and keys (qwen3, gemma3)
+    experts: int = 0  # MoE: routed experts per layer (0: a dense MLP of ``intermediate``)
+    experts_per_token: int = 0  # MoE: top-k
+    shared_intermediate: int = 0  # MoE: a shared expert's width (qwen2_moe), with its own gate
+    measured_units: tuple = ()  # a model the reader does not know: (root params, layer params...) counted on it
+    unmodelled: str = ""  # what this description could not model (said in the plan's summary)
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden", "intermediate", "vocab", "heads", "kv_heads"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"model {self.name}: {key} {value!r} is not a positive integer")
-        if self.hidden % self.heads:
+        if self.hidden % self.heads and not self.head_dim:
             raise PlanError(f"model {self.name}: hidden {self.hidden} not divisible by heads {self.heads}")
 
     @property
     def kv_dim(self) -> int:
-        return self.kv_heads * (self.hidden // self.heads)
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
 
-    def layer_params(self) -> int:
-        h, i, kv = self.hidden, self.intermediate, self.kv_dim
+    @property
+    def q_dim(self) -> int:
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    def _mlp_params(self, active: bool) -> int:
+        """The MLP's parameters: all of them, or (``active``) those one token uses (top-k experts)."""
+        h, i = self.hidden, self.intermediate
+        if not self.experts:
+            return 3 * h * i
+        routed = (self.experts_per_token if active else self.experts) * 3 * h * i
+        shared = 3 * h * self.shared_intermediate + h if self.shared_intermediate else 0
+        return h * self.experts + routed + shared
+
+    def layer_params(self, active: bool = False) -> int:
+        """One decoder layer's parameters (the average over layers for a measured model); ``active``: those one
+        token computes with (an MoE layer's top-k experts, not all of them)."""
+        if self.measured_units:
+            return sum(self.measured_units[1:]) // max(1, len(self.measured_units) - 1)
+        h, i, kv, q = self.hidden, self.intermediate, self.kv_dim, self.q_dim
         if self.arch == "gpt2":
             return (2 * h) + (3 * h * h + 3 * h) + (h * h + h) + (2 * h) + (h * i + i) + (i * h + h)
-        attn = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if self.attention_bias else 0)
-        return attn + 3 * h * i + 2 * h
+        attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.attention_bias else 0)
+        attn += 2 * (self.head_dim or h // self.heads) if self.qk_norm else 0
+        return attn + self._mlp_params(active) + self.norms_per_layer * h
 
     def root_params(self) -> int:
+        if self.measured_units:
+            return self.measured_units[0]
         h = self.hidden
         embed = self.vocab * h
         head = 0 if self.tied_embeddings else self.vocab * h
@@ -57,6 +88,8 @@ class ModelSpec:
 
     def unit_params(self) -> list[int]:
         """Parameters per unit: the root unit first, then one entry per decoder layer."""
+        if self.measured_units:
+            return list(self.measured_units)
         return [self.root_params()] + [self.layer_params()] * self.num_layers
 
     def total_params(self) -> int:
@@ -67,23 +100,30 @@ class ModelSpec:
         no seq x seq scores). LLaMA: inputs of both norms and projections, q, k, v, attention output
         (8 h-wide for MHA) plus gate, up, act(gate) and act*up (4 i-wide), ~37.5 x h for LLaMA shapes.
         GPT-2: 8 h-wide plus the fc output and GELU output (2 i-wide)."""
-        h, i, kv = self.hidden, self.intermediate, self.kv_dim
+        h, i, kv, q = self.hidden, self.intermediate, self.kv_dim, self.q_dim
         if self.arch == "gpt2":
             return 8 * h + 2 * i
-        return 6 * h + 2 * kv + 4 * i
+        attention = 4 * h + 2 * q + 2 * kv
+        if not self.experts:
+            return attention + 4 * i
+        # each token's top-k experts keep their four i-wide tensors; the router its logits (and probabilities)
+        shared = 4 * self.shared_intermediate if self.shared_intermediate else 0
+        return attention + 4 * self.experts_per_token * i + 2 * self.experts + shared
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, PaLM's MFU convention: 6 x (matmul parameters) + 12 x l x h x s
         (attention scores and values, forward + backward). Embedding lookups are not matmuls."""
-        matmul = self.num_layers * self.layer_params() + self.vocab * self.hidden
+        matmul = self.num_layers * self.layer_params(active=True) + self.vocab * self.hidden
         return 6.0 * matmul + 12.0 * self.num_layers * self.hidden * seq_len
 
     def layer_forward_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token of one decoder layer: what recomputing a checkpointed layer costs."""
-        return 2.0 * self.layer_params() + 4.0 * self.hidden * seq_len
+        return 2.0 * self.layer_params(active=True) + 4.0 * self.hidden * seq_len
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["measured_units"] = list(self.measured_units)
+        return out
 
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {
@@ -96,21 +136,41 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     "llama-tiny": ModelSpec("llama-tiny", "llama", 4, 64, 176, 512, 4, 4),
 }
 
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = _LLAMA_LIKE + _MOE + ("gpt2",)
+
+
+def _llama_like(cfg: dict, name: str, mtype: str, **extra) -> ModelSpec:
+    heads = cfg["num_attention_heads"]
+    gemma = mtype.startswith("gemma")
+    return ModelSpec(
+        name, "llama", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
+        heads, cfg.get("num_key_value_heads") or heads,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        attention_bias=bool(cfg.get("attention_bias", mtype in ("qwen2", "qwen2_moe"))),
+        head_dim=int(cfg.get("head_dim") or 0) if gemma or mtype.startswith("qwen3") else 0,
+        norms_per_layer=4 if mtype in ("gemma2", "gemma3_text") else 2,
+        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"), **extra)
 
 
 def from_hf_config(cfg: dict, name: str) -> ModelSpec:
-    """A ModelSpec from a Hugging Face config dict (LLaMA-style or GPT-2)."""
+    """A ModelSpec from a Hugging Face config dict (``SUPPORTED`` model types)."""
     mtype = cfg.get("model_type")
     try:
         if mtype in _LLAMA_LIKE:
-            heads = cfg["num_attention_heads"]
-            return ModelSpec(
-                name, "llama", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"],
-                cfg["vocab_size"], heads, cfg.get("num_key_value_heads") or heads,
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
-            )
+            return _llama_like(cfg, name, mtype)
+        if mtype == "mixtral":
+            return _llama_like(cfg, name, mtype, experts=cfg["num_local_experts"],
+                               experts_per_token=cfg["num_experts_per_tok"])
+        if mtype in ("qwen2_moe", "qwen3_moe"):
+            spec = _llama_like({**cfg, "intermediate_size": cfg["moe_intermediate_size"]}, name, mtype,
+                               experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                               experts_per_token=cfg["num_experts_per_tok"],
+                               shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0))
+            if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+                raise PlanError(f"--model {name}: {mtype} with dense layers among the sparse ones is not modelled")
+            return spec
         if mtype == "gpt2":
             h = cfg["n_embd"]
             return ModelSpec(
@@ -119,10 +179,17 @@ def from_hf_config(cfg: dict, name: str) -> ModelSpec:
             )
     except KeyError as e:
         raise PlanError(f"--model {name}: config.json lacks key {e.args[0]!r} needed for {mtype}") from None
-    raise PlanError(
-        f"--model {name}: model_type {mtype!r} is not supported "
-        f"(supported: {', '.join(_LLAMA_LIKE + ('gpt2',))})"
-    )
+    raise PlanError(f"--model {name}: model_type {mtype!r} is not modelled (modelled: {', '.join(SUPPORTED)})")
+
+
+def measured(name: str, units: list, hidden: int, vocab: int, intermediate: int = 0, heads: int = 1,
+             note: str = "") -> ModelSpec:
+    """A model the reader does not know, described by the engine from the model itself: ``units`` its exact
+    parameter counts (root first, then each layer unit); activations estimated as a LLaMA layer of its widths
+    (``intermediate`` 0: 4 x hidden) unless the memory probe measures them."""
+    heads = heads if hidden % max(1, heads) == 0 else 1
+    return ModelSpec(name, "llama", max(1, len(units) - 1), hidden, intermediate or 4 * hidden, vocab, heads, heads,
+                     measured_units=tuple(units), unmodelled=note)
 
 
 def load_model(name_or_path: str, key: str = "--model") -> ModelSpec:

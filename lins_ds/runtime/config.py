@@ -118,17 +118,16 @@ class LinsConfig:
                                          "memory outside the allocator (CUDA context, communicators), GiB",
                                          "2 on GPUs, 0 on CPUs")
     activation_checkpointing: object = _rule(None, _optional(_checkpointing),
-                                             "layer units that recompute their forward: `null` lets the solver pick k "
-                                             "of N (a model that checkpoints already keeps it), `true`/`false` all or "
-                                             "none, an integer the first k")
+                                             "layer units recomputed in backward: `null` the solver picks k of N, "
+                                             "`true`/`false` all or none, an integer the first k")
     seq_len: Optional[int] = _rule(None, _optional(_positive_int), "the sequence length the solver sizes activations for",
                                    "the model's `max_position_embeddings`")
     model: Optional[str] = _rule(None, _optional(_string("a model name, a config.json path or null")),
                                  "describes a non-HF model to the solver: a built-in name or a `config.json`",
                                  "the HF model's config")
     memory_profile: Optional[str] = _rule(None, _optional(_memory_profile),
-                                          "activation memory: `\"measure\"` (one layer unit and the head at start-up, "
-                                          "cached), `\"formula\"` or a JSON path",
+                                          "activation memory: `\"measure\"` (at start-up, cached), `\"formula\"` or "
+                                          "a JSON path",
                                           "`\"measure\"` on GPUs, `\"formula\"` on CPUs")
     objective: str = _rule("step", _one_of(OBJECTIVES),
                            "what the solver minimises: `\"step\"` (what a step waits for) or `\"comm\"` (the paper's)")
@@ -143,11 +142,16 @@ class LinsConfig:
     unit_modules: Optional[tuple] = _rule(None, _optional(_class_names),
                                           "class names of the modules that become units",
                                           "the children of the largest repeated `nn.ModuleList`")
-    overlap_param_sync: bool = _rule(True, _boolean, "the P-sync AllGather after the update overlaps the next "
-                                     "forward unit by unit; `false` waits for it in `step()`")
-    check_collectives: bool = _rule(False, _boolean, "debug: at each step, check that all ranks issued the same "
-                                    "collectives in the same order, naming the first difference "
-                                    "(also `LINS_CHECK_COLLECTIVES=1`)")
+    overlap_param_sync: bool = _rule(True, _boolean, "the P-sync after the update overlaps the next forward; "
+                                     "`false` waits in `step()`")
+    init: str = _rule("eager", _one_of(("eager", "per_module")), "values of a model built under `lins_ds.init`: "
+                      "the eager build's, or `\"per_module\"` (each module's init, seeded by its name; faster)")
+    elementwise_optimizer: bool = _rule(False, _boolean, "declares the optimizer element-wise; else a two-step "
+                                        "probe decides")
+    checkpoint_pickle: bool = _rule(False, _boolean, "`load_checkpoint` may unpickle any object (runs code: "
+                                    "trusted checkpoints only)")
+    check_collectives: bool = _rule(False, _boolean, "debug: each step, check all ranks issued the same "
+                                    "collectives in order (also `LINS_CHECK_COLLECTIVES=1`)")
 
     @property
     def solve(self) -> bool:

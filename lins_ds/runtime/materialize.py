@@ -22,6 +22,8 @@ from .config import LinsConfigError
 
 SOURCE = "_lins_source"  # a meta parameter's checkpoint source: an object with read(a, b) -> flat elements [a, b)
 SEED = "_lins_seed"  # the seed a meta parameter was built under (lins_ds.init)
+REPLAY = "_lins_replay"  # a meta parameter's recorded eager initialisation (integrations/init_replay.Replay)
+INIT_MODES = ("eager", "per_module")
 
 
 def is_deferred(module: nn.Module) -> bool:
@@ -54,7 +56,11 @@ class Materializer:
     """Remembers, before anything is replaced, what each meta parameter needs: its name, owning module,
     seed and checkpoint source; then fills units as the runtime builds them."""
 
-    def __init__(self, model: nn.Module, device: torch.device, default_seed: Optional[int] = None):
+    def __init__(self, model: nn.Module, device: torch.device, default_seed: Optional[int] = None,
+                 init: str = "eager"):
+        """``init``: "eager" gives a parameter whose eager initialisation was recorded (lins_ds.init) exactly those
+        values; "per_module" (and any parameter without a usable record) its module's own initialisation under a
+        seed of (seed, module name)."""
         self.model, self.device = model, device
         self.modules = dict(model.named_modules())
         self.where = owners(model)
@@ -63,7 +69,11 @@ class Materializer:
         self.seed = seeds.pop() if len(seeds) == 1 else torch.initial_seed() if default_seed is None else default_seed
         for name, p in model.named_parameters():  # tied parameters: the first name owns them
             if p.is_meta:
-                self.info[id(p)] = (name, name.rsplit(".", 1)[0] if "." in name else "", getattr(p, SOURCE, None))
+                source = getattr(p, SOURCE, None)
+                replay = getattr(p, REPLAY, None)
+                if source is None and init == "eager" and replay is not None and replay.usable:
+                    source = replay  # read like a checkpoint tensor: this rank's elements of the eager values
+                self.info[id(p)] = (name, name.rsplit(".", 1)[0] if "." in name else "", source)
         self._initialised: set = set()
 
     def materialise(self, param: nn.Parameter, view: torch.Tensor) -> nn.Parameter:

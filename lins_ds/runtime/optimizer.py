@@ -8,6 +8,8 @@ engine's loss-scaling and backward bookkeeping.
 
 from __future__ import annotations
 
+import collections
+import copy
 import math
 
 import torch
@@ -17,16 +19,68 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 from .. import comm
 from .config import LinsConfigError
 
-ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "FusedAdam",
-               "DeepSpeedCPUAdam", "FusedLion", "DeepSpeedCPULion", "Lion"}
+def _known_elementwise() -> tuple:
+    """Optimizer classes whose update is element-wise (by identity, not name)."""
+    import torch.optim as O
+
+    known = [O.Adam, O.AdamW, O.SGD, O.Adagrad, O.RMSprop, O.Adamax, O.NAdam, O.RAdam]
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+        known += [FusedAdam, DeepSpeedCPUAdam, FusedLion, DeepSpeedCPULion]
+    except ImportError:
+        pass
+    return tuple(known)
 
 
-def check_elementwise(optimizer) -> None:
+def _probe(optimizer, shapes: list, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Two steps of a copy of ``optimizer`` (its first group's hyperparameters, fresh state) on ``x`` held as
+    parameters of ``shapes`` (flattened back to one tensor)."""
+    params, grads, at = [], [], 0
+    for shape in shapes:
+        n = torch.Size(shape).numel()
+        params.append(torch.nn.Parameter(x[at:at + n].clone().view(shape)))
+        grads.append(g[at:at + n].view(shape))
+        at += n
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    if not group.get("lr", 1.0):
+        group["lr"] = 1e-2  # a warm-up's zero learning rate would hide any difference
+    probe = copy.copy(optimizer)
+    probe.state = collections.defaultdict(dict)
+    probe.param_groups = [{**group, "params": params}]
+    for _ in range(2):
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        type(optimizer).step(probe)  # the class's step: an LR scheduler may have wrapped the instance's own
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def is_elementwise(optimizer) -> bool:
+    """What element-wise means, tested: two steps on a 4x4 parameter give the same values as on its two 2x4 halves
+    held as separate parameters (per-tensor statistics such as LAMB's trust ratio, Adafactor's factored moments or
+    Shampoo's preconditioners make them differ). A step that fails counts as not element-wise."""
+    g = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    try:
+        with torch.no_grad():
+            whole = _probe(optimizer, [(4, 4)], x, grad)
+            halves = _probe(optimizer, [(2, 4), (2, 4)], x, grad)
+    except Exception:  # noqa: BLE001 - an optimizer that cannot step on CPU probes is not shown element-wise
+        return False
+    return not torch.equal(whole, x) and torch.allclose(whole, halves, rtol=1e-5, atol=1e-7)
+
+
+def check_elementwise(optimizer, declared: bool = False) -> None:
+    """Lins gives each rank a slice of every tensor's optimizer state: exact only for element-wise updates."""
+    if declared or isinstance(optimizer, _known_elementwise()) or is_elementwise(optimizer):
+        return
     name = type(optimizer).__name__
-    if name not in ELEMENTWISE:
-        raise LinsConfigError(
-            f"lins: optimizer {name} is not known to be element-wise; Lins gives each rank a slice of every "
-            f"tensor's optimizer state, which is exact only for element-wise updates ({', '.join(sorted(ELEMENTWISE))})")
+    raise LinsConfigError(
+        f"lins: optimizer {name} is not element-wise: two steps on a tensor and on its two halves as separate "
+        f"tensors give different values (per-tensor statistics?) or cannot be probed on the CPU. Lins gives each rank "
+        f"a slice of every tensor's optimizer state, which is exact only for element-wise updates; if {name} is "
+        "element-wise, declare it with \"lins\": {\"elementwise_optimizer\": true}")
 
 
 def steps_per_parameter(optimizer) -> bool:
@@ -55,8 +109,8 @@ class MasterSlice:
 class LinsOptimizer(ZeROOptimizer):
     def __init__(self, basic, runtime, clip: float = 0.0, fp16: bool = False, static_loss_scale: float = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args=None):
+        """``basic`` must be element-wise (``check_elementwise``, which the engine runs before any collective)."""
         super().__init__()
-        check_elementwise(basic)
         self.optimizer, self.runtime, self.clip = basic, runtime, clip
         self.custom_loss_scaler, self.torch_autocast_gradscaler = False, None
         self.dynamic_loss_scale = fp16 and dynamic_loss_scale

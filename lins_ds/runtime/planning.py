@@ -23,21 +23,47 @@ from ..plan.solver import evaluate
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
 from ..plan.memory import ActivationProfile
-from ..plan.model import from_hf_config
+from ..plan.model import from_hf_config, measured
 from . import recompute
-from .assign import find_layers
+from .assign import assign_units, find_layers
 from .config import LinsConfig, LinsConfigError
 from .optimizer import steps_per_parameter
 
 
 def _model_spec(module: torch.nn.Module, cfg: LinsConfig):
+    """The planner's description of the model: lins.model, else its Hugging Face config where the reader models
+    that type, else the model's own parameter counts per unit (``measured``), which never blocks training."""
     if cfg.model:
         return load_model(cfg.model, key="lins.model")
     hf = getattr(module, "config", None)
+    why = "not a Hugging Face model"
     if hf is not None and hasattr(hf, "to_dict"):
-        return from_hf_config(hf.to_dict(), type(module).__name__)
-    raise LinsConfigError("lins.plan: \"solve\" needs to know the model's shape: set lins.model to a built-in "
-                          "name or a config.json path, use a Hugging Face model, or give a fixed plan")
+        try:
+            return from_hf_config(hf.to_dict(), type(module).__name__)
+        except PlanError as e:
+            why = str(e).split(": ", 1)[-1]
+    return _measured_spec(module, cfg, why)
+
+
+def _measured_spec(module: torch.nn.Module, cfg: LinsConfig, why: str):
+    """A model the planner's reader does not know: its exact parameters per unit, its widths where its config
+    names them (else estimated from a layer's size as a transformer layer's, 12 x hidden^2)."""
+    trainable = {p: 0 for p in module.parameters() if p.requires_grad}
+    root, layers = assign_units(module, trainable, cfg.unit_modules)
+    units = [sum(p.numel() for _, p in root or [])] + [sum(p.numel() for _, p in ps) for _, _, ps in layers]
+    hf = getattr(module, "config", None)
+
+    def width(*keys):
+        return next((int(getattr(hf, k)) for k in keys if isinstance(getattr(hf, k, None), int)), 0)
+
+    layer = max(units[1:], default=units[0])
+    hidden = width("hidden_size", "n_embd", "d_model") or max(1, int((layer / 12) ** 0.5))
+    vocab = width("vocab_size") or max(1, units[0] // hidden)
+    note = (f"{why}; parameters per unit counted on the model, activations "
+            + ("measured by the memory probe" if (cfg.memory_profile or "measure") == "measure" else
+               f"estimated as a LLaMA layer of hidden {hidden}"))
+    return measured(type(module).__name__, units, hidden, vocab, width("intermediate_size", "n_inner", "ffn_dim"),
+                    width("num_attention_heads", "n_head"), note)
 
 
 def _memory_gb(cfg: LinsConfig, device: torch.device) -> float:
@@ -159,7 +185,10 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
         sol = context.solve()
     except PlanError as e:
         raise LinsConfigError(str(e)) from None
-    return sol.plan, report.to_table(sol) + f"\n  memory profile: {context.activations_note}", context
+    summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}"
+    if context.model.unmodelled:
+        summary += f"\n  model: {context.model.unmodelled}"
+    return sol.plan, summary, context
 
 
 def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
@@ -178,14 +207,16 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
     try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
         table = get_cluster(cfg.cluster).table(cost.required_meshes(topo, [layout]))
         context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table)
-    except LinsConfigError:
-        return plan, summary + " (memory not predicted: the model's shape is unknown; set lins.model)", None
+    except PlanError as e:  # a prediction never blocks a fixed plan
+        return plan, summary + f" (memory not predicted: {e})", None
     e = evaluate(topo, layout, k, context.model, context.train, context.mem, table, context.compute,
                  cfg.objective, context.activations)
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
                                memory_profile=e.memory.activation_source)
     summary += (f"; predicted peak {e.memory.allocated_gb:.2f} GiB allocated, {e.memory.total_gb:.2f} GiB with "
                 f"margin and reserve (activations: {context.activations_note})")
+    if context.model.unmodelled:
+        summary += f"; model: {context.model.unmodelled}"
     return plan, summary, context
 
 

@@ -21,6 +21,7 @@ import torch
 from .. import comm
 from ..plan import Plan
 from ..plan.layout import is_first_replica
+from . import init_replay
 from .assign import assign_units, build_unit
 from .executor import Executor, Phase, Progress
 from .materialize import Materializer, is_deferred
@@ -30,7 +31,7 @@ class LinsRuntime:
     def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True,
                  device: Optional[torch.device] = None, check_collectives: bool = False,
-                 ends_window: Callable[[], bool] = lambda: True):
+                 ends_window: Callable[[], bool] = lambda: True, init: str = "eager"):
         """``ends_window()``, asked once as each backward starts: does this backward end an accumulation
         window (the engine knows: its micro-step count, ``no_sync``)."""
         self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
@@ -43,7 +44,7 @@ class LinsRuntime:
                 if p.requires_grad:  # frozen parameters stay whole on every rank, outside any unit
                     group_of.setdefault(p, gi)
         # a model built without values (lins_ds.init, the meta device) gets them unit by unit, and the rest whole
-        mat = Materializer(module, device) if is_deferred(module) else None
+        mat = Materializer(module, device, init=init) if is_deferred(module) else None
         root_params, layer_entries = assign_units(module, group_of, unit_modules)
 
         def build(name, mods, params, is_root=False):
@@ -54,6 +55,7 @@ class LinsRuntime:
         layers = [build(name, mods, params) for name, mods, params in layer_entries]
         if mat is not None:
             _materialise_outside_units(module, mat, device)
+            init_replay.release()
         self.units = ([root] if root is not None else []) + layers  # read-only: root first, then the layers
         self.device = self.units[0].device if self.units else (device or torch.device("cpu"))
         self.progress = Progress()

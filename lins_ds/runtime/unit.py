@@ -246,7 +246,8 @@ class Unit:
     # --- gradients -------------------------------------------------------------------------
     @property
     def g_acc(self) -> torch.Tensor:
-        """The G accumulator, allocated when training first needs it (start-up holds parameters only)."""
+        """The G accumulator: allocated when the window's first gradient of this unit arrives, freed after the
+        optimizer step (``reset_grads``), so that a backward's start, where activations peak, holds none."""
         if self._g_acc is None:
             size = self.spec.g_size if self.sharded_g else self.spec.padded
             self._g_acc = torch.zeros(size, dtype=self.accum_dtype, device=self.device)
@@ -260,11 +261,22 @@ class Unit:
         return self._grad_views
 
     def attach_grads(self) -> None:
-        """Point every .grad at its slice of g_acc (in-place mode) or clear it."""
-        views = self.grad_views
+        """Point every .grad at its slice of g_acc (in-place mode, once the accumulator exists) or clear it."""
+        views = self.grad_views if self._g_acc is not None else None
         for i, s in enumerate(self.slots):
             s.param.grad = views[i] if views is not None else None
         self._grads_attached = True
+
+    def _start_accumulator(self, first) -> None:
+        """In-place mode, the window's first gradient of this unit (``first``'s, which autograd made as its own
+        tensor): the accumulator now, every other .grad a view into it, so that autograd accumulates the rest in
+        place; ``first``'s copied in."""
+        for s, view in zip(self.slots, self.grad_views):
+            if s.param is first:
+                view.copy_(first.grad.reshape(view.shape))
+                s.param.grad = view
+            elif s.param.grad is None:
+                s.param.grad = view
 
     def begin_backward(self) -> None:
         """A backward of the accumulation window starts (the first, or the next micro-batch's)."""
@@ -278,6 +290,8 @@ class Unit:
         known to get none)."""
         if param in self._no_grad:
             self._late_grad(param)
+        if self.in_place and self._g_acc is None:
+            self._start_accumulator(param)
         self._pending.add(param)
         return self.grads_complete
 
@@ -356,10 +370,13 @@ class Unit:
         self.grad_state = GradState.FINAL
 
     def reset_grads(self) -> None:
-        """After the optimizer step (or a skipped one): an empty accumulator for the next window."""
+        """After the optimizer step (or a skipped one): the accumulator freed (the next window's first gradient
+        allocates it again), no .grad left holding it."""
         self._expect(self.grad_state, (GradState.ACCUMULATING, GradState.REDUCED, GradState.FINAL), "reset_grads")
-        if self._g_acc is not None:
-            self._g_acc.zero_()
+        self._g_acc = self._grad_views = None
+        for s in self.slots:
+            s.param.grad = None
+        self._grads_attached = False
         self._pending.clear()
         self._no_grad.clear()
         self.grad_state = GradState.ACCUMULATING
