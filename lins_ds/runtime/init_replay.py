@@ -26,6 +26,7 @@ from .materialize import REPLAY
 
 _RANDOM = {torch.ops.aten.normal_, torch.ops.aten.uniform_, torch.ops.aten.bernoulli_, torch.ops.aten.exponential_,
            torch.ops.aten.geometric_, torch.ops.aten.cauchy_, torch.ops.aten.log_normal_, torch.ops.aten.random_}
+_OVERWRITE = _RANDOM | {torch.ops.aten.fill_, torch.ops.aten.zero_}  # write every element without reading any
 
 
 def _key(t: torch.Tensor) -> int:
@@ -76,6 +77,17 @@ class Replay:
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         self.ops.append((func, target.size(), target.stride(), target.storage_offset(), args, kwargs, state))
 
+    def _live_ops(self) -> list:
+        """The operations from the last one that overwrites the whole parameter on (earlier ones cannot show:
+        ``reset_parameters``' Kaiming draws under ``_init_weights``' normal ones). Each random one starts from its
+        own recorded generator state, so skipping the others changes nothing."""
+        whole = (self.shape, torch.empty(self.shape, device="meta").stride(), 0)
+        start = 0
+        for i, (func, size, stride, offset, *_rest) in enumerate(self.ops):
+            if func.overloadpacket in _OVERWRITE and (size, stride, offset) == whole:
+                start = i
+        return self.ops[start:]
+
     def full(self) -> torch.Tensor:
         values = _whole(self.shape, self.dtype)
         if _scratch["owner"] is self:
@@ -83,7 +95,7 @@ class Replay:
         _scratch["owner"] = self
         saved = torch.get_rng_state()
         try:
-            for func, size, stride, offset, args, kwargs, state in self.ops:
+            for func, size, stride, offset, args, kwargs, state in self._live_ops():
                 if state is not None:
                     torch.set_rng_state(state)
                 func(values.as_strided(size, stride, offset), *args, **kwargs)
