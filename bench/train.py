@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lins-plan", help="override lins.plan with JSON, e.g. '{\"p\": [2, 1], \"g\": [2, 1], \"os\": [2, 1]}'")
     p.add_argument("--lins-checkpointing", help="override lins.activation_checkpointing: true, false or a number of units")
     p.add_argument("--lins-init", choices=["eager", "per_module"], help="override lins.init")
+    p.add_argument("--lins-offload", help="override lins.offload with JSON: '\"auto\"', 'false', '{\"os\": \"cpu\"}'")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="Hugging Face gradient checkpointing on every layer (any mode; Lins keeps it as found)")
     p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
@@ -77,6 +80,8 @@ def ds_config_for(args: argparse.Namespace) -> dict:
             cfg["lins"] = {**cfg["lins"], "activation_checkpointing": json.loads(args.lins_checkpointing)}
         if args.lins_init:
             cfg["lins"] = {**cfg["lins"], "init": args.lins_init}
+        if args.lins_offload:
+            cfg["lins"] = {**cfg["lins"], "offload": json.loads(args.lins_offload)}
     return emulate_nodes(cfg, args.gpus_per_node) if args.gpus_per_node else cfg
 
 
@@ -99,6 +104,8 @@ def build_engine(args, ds_config: dict, device: torch.device):
     t0 = time.perf_counter()
     with model_init_context(ds_config, device):
         model = transformers.LlamaForCausalLM(llama_config(args.model, args.seq_len))
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine, model, time.perf_counter() - t0
 
@@ -175,6 +182,17 @@ def write_trace_summary(prof, path: str, cuda: bool) -> None:
             f.write("\n\nBy the host's own time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30))
 
 
+def offload_summary(engine, steps: int):
+    """Lins with offload: host memory held, and per step the host worker's time and what the forward waited."""
+    host = getattr(getattr(engine, "optimizer", None), "host", None)
+    if host is None or getattr(engine, "lins", None) is None:
+        return None
+    return {"host_gb": engine.optimizer.host_gb(), "predicted_host_gb": engine.lins.plan.host_gb,
+            "offload_units": engine.lins.plan.offload_units, "units": len(engine.lins.units),
+            "host_optimizer": host.opt.name, "worker_s_last_step": host.last_update_s,
+            "waited_s_per_step": host.waited_s / max(1, steps)}
+
+
 def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) -> dict:
     from deepspeed import comm as dist
 
@@ -196,6 +214,7 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
         "memory_phases": phases,
         "losses": losses, "step_times_s": times,
         "plan": lins.plan.to_json() if lins is not None else None,
+        "offload": offload_summary(engine, len(times)),
     }
 
 

@@ -41,6 +41,13 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", default="step", choices=["step", "comm"],
                    help="step (default): exposed communication after overlap + recompute + optimizer update; "
                         "comm: all communication + recompute (the paper's, for its Table III)")
+    p.add_argument("--host-memory-gb", type=float, help="host memory per node the offloaded optimizer state may "
+                   "pin, GiB; with it the solver may offload (--offload auto)")
+    p.add_argument("--offload", choices=["auto", "off"], help="auto: the solver may put the last units' optimizer "
+                   "state on the host (default with --host-memory-gb); off: never")
+    p.add_argument("--host-update-gelems", type=float, default=2.2, help="host optimizer speed, G elements/s "
+                   "(default: torch's fused CPU AdamW as measured by an H200 host's engine start-up)")
+    p.add_argument("--host-copy-gbs", type=float, default=50.0, help="pinned host<->GPU copy bandwidth, GB/s")
     p.add_argument("--format", default="table", choices=["table", "json"])
 
 
@@ -59,6 +66,18 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1)
+
+
+def _offload_spec(args: argparse.Namespace, topo):
+    from .plan.offload import HostSpec, OffloadSpec
+
+    mode = args.offload or ("auto" if args.host_memory_gb else "off")
+    if mode == "off":
+        return OffloadSpec()
+    if not args.host_memory_gb:
+        raise SystemExit("lins-ds plan: --offload auto needs --host-memory-gb (the host memory per node)")
+    return OffloadSpec("auto", host=HostSpec(args.host_memory_gb / topo.gpus_per_node, args.host_update_gelems * 1e9,
+                                             args.host_copy_gbs, args.host_copy_gbs, source="given (lins-ds plan)"))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -86,8 +105,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if reserved is None:  # what the engine holds back on the profile's device (lins.reserved_gb's default)
         reserved = 0.0 if args.profile and table.meta.get("device") == "cpu" else 2.0
     mem = P.MemorySpec(capacity, reserved, args.fragmentation)
+    offload = _offload_spec(args, topo)
     try:
-        sol = P.solve(model, topo, train, mem, table, compute, objective=args.objective)
+        sol = P.solve(model, topo, train, mem, table, compute, objective=args.objective, offload=offload)
     except P.NoFeasiblePlan as e:
         if args.format == "json":
             print(json.dumps({"error": str(e), "smallest_plan": e.smallest.layout.to_json(),

@@ -72,3 +72,18 @@ def test_hf_config_json_model(tmp_path, capsys):
     assert main(["plan", "--model", str(path), "--nodes", "2", "--gpus-per-node", "2", "--gpu-memory-gb", "8",
                  "--seq-len", "128", "--micro-batch-size", "1", "--cluster", "h200-emulated", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["params"] > 0
+
+
+def test_plan_offloads_with_host_memory_and_refuses_without(capsys):
+    one_gpu = ["--model", "llama-7b", "--nodes", "1", "--gpus-per-node", "1", "--seq-len", "2048",
+               "--micro-batch-size", "1", "--gpu-memory-gb", "80", "--format", "json"]
+    assert main(["plan", *one_gpu]) == 2  # GPU-resident: no plan fits
+    capsys.readouterr()
+    assert main(["plan", *one_gpu, "--host-memory-gb", "200"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 < out["offload_units"] < out["num_units"] and out["host_memory_gb"] > 0
+    assert out["memory_gb_per_gpu"] <= 80
+    assert main(["plan", *one_gpu, "--host-memory-gb", "200", "--offload", "off"]) == 2
+    capsys.readouterr()
+    assert main(["plan", *one_gpu, "--host-memory-gb", "5"]) == 2
+    assert "host memory" in capsys.readouterr().err

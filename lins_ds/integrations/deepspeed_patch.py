@@ -9,6 +9,7 @@ import lins_ds), a config with a ``lins`` block reaches DeepSpeed too, and rank 
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -54,12 +55,25 @@ def initialize(*args, **kwargs):
         _say_once("lins_ds: the config's \"lins\" block builds a LinsEngine (lins_ds is installed; "
                   f"{lins_ds_autoload.ENV}=0 turns that off)")
     from .engine import LinsEngine
+    from ..runtime.config import translate_zero_offload
+
+    config, notes = translate_zero_offload(config)
+    for note in notes:
+        _say_once(f"lins_ds: {note}")
 
     saved = deepspeed.DeepSpeedEngine
     deepspeed.DeepSpeedEngine = LinsEngine
     try:
-        if "config" in bound.arguments and not isinstance(bound.arguments["config"], dict):
-            bound.arguments["config"] = config  # read the file once, here
+        # the config read once, here, with its ZeRO-Offload keys translated, given to DeepSpeed where it came from
+        if "config_params" in bound.arguments and "config" not in bound.arguments:
+            bound.arguments["config_params"] = config
+        else:
+            if "config" not in bound.arguments and bound.arguments.get("args") is not None:
+                bound.arguments["args"] = copy.copy(bound.arguments["args"])  # DeepSpeed takes one source only
+                for attr in ("deepspeed_config", "deepscale_config"):
+                    if hasattr(bound.arguments["args"], attr):
+                        setattr(bound.arguments["args"], attr, None)
+            bound.arguments["config"] = config
         return _original_initialize(*bound.args, **bound.kwargs)
     finally:
         deepspeed.DeepSpeedEngine = saved

@@ -26,7 +26,7 @@ from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import is_deferred
 from ..runtime.memory_guard import report_startup
 from ..runtime.optimizer import LinsOptimizer, check_elementwise
-from ..runtime.planning import agree_on_plan, announce, make_plan
+from ..runtime.planning import agree_on_plan, announce, make_plan, offload_spec
 from ..runtime.runtime import LinsRuntime
 from . import ds_compat
 
@@ -59,6 +59,10 @@ class LinsEngine(DeepSpeedEngine):
         object.__setattr__(self, "lins_topology", topo)
         object.__setattr__(self, "lins", None)
         object.__setattr__(self, "_lins_solve", None)
+        # DeepSpeed must not build its CPU optimizer or offload anything itself: Lins places the state (its plan;
+        # deepspeed.initialize already gave it a config without them, config.translate_zero_offload)
+        config_class.zero_config.offload_optimizer = None
+        config_class.zero_config.offload_param = None
         if kwargs.get("model") is not None and is_deferred(kwargs["model"]):
             kwargs["dont_change_device"] = True  # built without values: the runtime places it, unit by unit
         super().__init__(*args, config=config, config_class=config_class, optimizer=optimizer, **kwargs)
@@ -91,8 +95,9 @@ class LinsEngine(DeepSpeedEngine):
         check_elementwise(basic, self.lins_config.elementwise_optimizer)  # the same verdict on every rank
         self.basic_optimizer = basic
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
+        offload = offload_spec(basic, self.lins_config, torch.device(self.device))
         plan, summary, self._lins_solve = make_plan(self, self.lins_config, self.lins_topology, param_dtype,
-                                                    accum_dtype)
+                                                    accum_dtype, offload)
         check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested())
         announce(summary)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
@@ -104,7 +109,7 @@ class LinsEngine(DeepSpeedEngine):
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
-                                       dynamic_loss_args=self.dynamic_loss_scale_args())
+                                       dynamic_loss_args=self.dynamic_loss_scale_args(), host_optimizer=offload[1])
         ds_compat.finish_optimizer_setup(self)
 
     def step(self, lr_kwargs=None):
@@ -113,7 +118,7 @@ class LinsEngine(DeepSpeedEngine):
         before = self.global_steps
         super().step(lr_kwargs=lr_kwargs)
         if before == 0 and self.global_steps == 1:
-            memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device)
+            memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device, self.optimizer.host_gb())
 
     def _broadcast_model(self):
         """DeepSpeed makes every rank start from rank 0's parameters. A model built without values (lins_ds.init,

@@ -4,7 +4,8 @@ The peak is the persistent state plus the larger of two phases; every term is ke
 summary can show it:
 
     persistent   params        the P storage: every unit whole (s_p = 1) or this rank's P chunk
-                 optimizer     fp32 master (unless params are fp32) + Adam moments, k_os x Phi / s_os
+                 optimizer     fp32 master (unless params are fp32) + Adam moments, k_os x Phi / s_os (of the
+                               units whose OS is on the GPU; the offloaded ones' is host memory, ``host_gb``)
     backward     the largest of its phases (``backward_phases``: the loss's backward, a layer's backward, a
                  checkpointed layer's recompute, the root's reduction at the end), each split into
                  grads         the G accumulators that exist then: a unit's is allocated when its first gradient
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .model import ModelSpec
+from .offload import host_gb
 from .spec import GIB, MemorySpec, TrainingSpec
 from .topology import Layout, Topology
 
@@ -141,21 +143,26 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
 
 
 def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topology, layout: Layout,
-           ckpt_units: int, activations: Optional[ActivationProfile] = None) -> "MemoryBreakdown":
+           ckpt_units: int, activations: Optional[ActivationProfile] = None,
+           offload_units: int = 0) -> "MemoryBreakdown":
+    """``offload_units``: the last k units keep their OS on the host (``lins_ds.plan.offload``): the GPU holds
+    none of their optimizer state and runs none of their update."""
     phi = model.total_params()
     units = model.unit_params()
+    resident = units[:len(units) - offload_units]
+    on_gpu = sum(resident)
     pb, gb = train.param_bytes, train.grad_bytes
     s_p, s_g, s_os = layout.sharding()
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch)
     phases = backward_phases(model, train, topo, layout, ckpt_units, acts)
     worst = max(phases, key=lambda p: sum(phases[p].values()))
     step_grad = 4 if gb != 4 else 0  # the optimizer reads fp32 gradients
-    piece = max(units) if train.optimizer_per_unit else phi
+    piece = max(resident, default=0) if train.optimizer_per_unit else on_gpu
     all_grads = gb * phi / s_g
     update = piece / s_os * (step_grad + 4 * OPTIMIZER_TEMP_COPIES)
     backward = sum(phases[worst].values())
     stepping = update + all_grads > backward  # the step holds every G accumulator, and the update's temporaries
-    terms = {"params": pb * phi / s_p, "optimizer": train.optimizer_bytes * phi / s_os, **phases[worst],
+    terms = {"params": pb * phi / s_p, "optimizer": train.optimizer_bytes * on_gpu / s_os, **phases[worst],
              "optimizer_step": update}
     if stepping:
         terms["grads"] = all_grads
@@ -165,7 +172,7 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     terms["reserved"] = mem.reserved_gb
     terms["margin"] = mem.fragmentation * peak
     phase = "optimizer step" if stepping else f"backward ({worst})"
-    return MemoryBreakdown(terms, peak, acts.source, phase)
+    return MemoryBreakdown(terms, peak, acts.source, phase, host_gb(units, offload_units, s_os, train))
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,7 @@ class MemoryBreakdown:
     allocated_gb: float  # the allocator's predicted peak (torch.cuda.max_memory_allocated's quantity)
     activation_source: str = "formula"
     phase: str = "backward"  # where the peak is: "backward (head | layers | recompute | end)" or "optimizer step"
+    host_gb: float = 0.0  # host memory the offloaded OS chunks pin (``lins_ds.plan.offload.host_gb``)
 
     @property
     def total_gb(self) -> float:
@@ -181,4 +189,4 @@ class MemoryBreakdown:
         return self.allocated_gb + self.terms["margin"] + self.terms["reserved"]
 
     def to_json(self) -> dict:
-        return {k: round(v, 4) for k, v in self.terms.items()}
+        return {**{k: round(v, 4) for k, v in self.terms.items()}, "host": round(self.host_gb, 4)}

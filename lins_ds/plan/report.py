@@ -34,6 +34,8 @@ def explain_loss(winner: Evaluation, other: Evaluation) -> str:
         parts.append(f"exposed {1e3 * (other.exposed_s - winner.exposed_s):+.2f} ms")
     if other.optimizer_s != winner.optimizer_s:
         parts.append(f"optimizer {1e3 * (other.optimizer_s - winner.optimizer_s):+.2f} ms")
+    if other.offload_s != winner.offload_s:
+        parts.append(f"offload {1e3 * (other.offload_s - winner.offload_s):+.2f} ms")
     if other.recompute_s != winner.recompute_s:
         parts.append(f"recompute {1e3 * (other.recompute_s - winner.recompute_s):+.2f} ms")
     delta = other.objective_s - winner.objective_s
@@ -41,7 +43,8 @@ def explain_loss(winner: Evaluation, other: Evaluation) -> str:
 
 
 def describe(e: Evaluation) -> str:
-    return f"{e.layout}{f', {e.ckpt_units} of {e.num_layers} layer units checkpointed' if e.checkpointing else ''}"
+    off = f", OS of {e.offload_units} of {e.num_units} units on the host" if e.offload_units else ""
+    return f"{e.layout}{f', {e.ckpt_units} of {e.num_layers} layer units checkpointed' if e.checkpointing else ''}{off}"
 
 
 def to_json(sol: Solution) -> dict:
@@ -61,6 +64,8 @@ def to_json(sol: Solution) -> dict:
         "predicted_recompute_s_per_step": best.recompute_s,
         "predicted_optimizer_s_per_step": best.optimizer_s,
         "predicted_exposed_comm_s_per_step": best.exposed_s,
+        "offload_units": best.offload_units, "num_units": best.num_units, "host_memory_gb": round(best.memory.host_gb, 4),
+        "predicted_offload_s_per_step": best.offload_s,
         "objective": best.objective, "objective_s_per_step": best.objective_s,
         "predicted_s_per_state": per_state(list(best.collectives)),
         "collectives": [c.to_json() for c in best.collectives],
@@ -69,10 +74,10 @@ def to_json(sol: Solution) -> dict:
         "solve_time_s": sol.elapsed_s,
         "runner_up": None if sol.runner_up is None else {
             "plan": sol.runner_up.layout.to_json(), "activation_checkpointing": sol.runner_up.checkpointing,
-            "activation_checkpointing_units": sol.runner_up.ckpt_units,
+            "activation_checkpointing_units": sol.runner_up.ckpt_units, "offload_units": sol.runner_up.offload_units,
             "predicted_comm_s_per_step": sol.runner_up.comm_s, "why_lost": explain_loss(best, sol.runner_up)},
         "fastest_infeasible": None if sol.fastest_infeasible is None else {
-            "plan": sol.fastest_infeasible.layout.to_json(),
+            "plan": sol.fastest_infeasible.layout.to_json(), "offload_units": sol.fastest_infeasible.offload_units,
             "memory_gb_per_gpu": round(sol.fastest_infeasible.memory.total_gb, 4)},
         "profile": sol.plan.profile_source,
         "plan_record": sol.plan.to_json(),
@@ -88,6 +93,9 @@ def to_table(sol: Solution) -> str:
         f"(profile: {plan.profile_source})",
         f"  activation checkpointing: {best.ckpt_units} of {best.num_layers} layer units"
         + (f" (recompute {_ms(best.recompute_s).strip()} per step)" if best.checkpointing else ""),
+        f"  optimizer state on the host: {best.offload_units} of {best.num_units} units"
+        + (f" (the last ones; {_gib(best.memory.host_gb)} pinned per rank of {_gib(best.host_capacity_gb)}; "
+           f"{_ms(best.offload_s).strip()} per step not hidden by the forward)" if best.offload_units else ""),
         "",
         f"  {'state':<16}{'mesh intra x inter':>20}{'bytes/GPU':>14}{'predicted/step':>18}",
     ]

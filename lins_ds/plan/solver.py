@@ -19,6 +19,7 @@ from typing import Optional
 from . import cost
 from .memory import ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
+from .offload import OffloadSpec, exposed_seconds as offload_exposed
 from .profile_table import ProfileTable
 from .spec import MemorySpec, TrainingSpec
 from .topology import Layout, PlanError, Topology, candidates, check_layout
@@ -53,11 +54,13 @@ class ComputeSpec:
         return replace(self, achievable_mfu=efficiency)
 
 
-def optimizer_seconds(model: ModelSpec, train: TrainingSpec, s_os: int, compute: ComputeSpec) -> float:
-    """The element-wise update of this rank's OS chunk is memory-bound: it reads the gradient (fp32),
-    reads and writes master and moments, and writes the parameter."""
+def optimizer_seconds(model: ModelSpec, train: TrainingSpec, s_os: int, compute: ComputeSpec,
+                      offload_units: int = 0) -> float:
+    """The element-wise update of this rank's OS chunk on the GPU (of the units not offloaded) is memory-bound:
+    it reads the gradient (fp32), reads and writes master and moments, and writes the parameter."""
     touched = 4 + 2 * train.optimizer_bytes + (train.param_bytes if train.param_dtype != "fp32" else 0)
-    return touched * model.total_params() / s_os / (compute.memory_bandwidth_gbs * 1e9)
+    units = model.unit_params()
+    return touched * sum(units[:len(units) - offload_units]) / s_os / (compute.memory_bandwidth_gbs * 1e9)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ class Evaluation:
     objective: str = "step"
     exposed_s: float = 0.0  # communication left after overlap
     num_layers: int = 0
+    offload_units: int = 0  # the last k units keep their OS on the host
+    offload_s: float = 0.0  # what the step waits for the host (transfers and updates the forward does not hide)
+    host_capacity_gb: float = float("inf")
+    num_units: int = 0
 
     @property
     def checkpointing(self) -> bool:
@@ -85,15 +92,19 @@ class Evaluation:
     def objective_s(self) -> float:
         if self.objective == "comm":
             return self.comm_s + self.recompute_s
-        return self.exposed_s + self.recompute_s + self.optimizer_s
+        return self.exposed_s + self.recompute_s + self.optimizer_s + self.offload_s
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.memory.total_gb <= self.capacity_gb
 
     @property
     def fits(self) -> bool:
-        return self.memory.total_gb <= self.capacity_gb
+        return self.fits_gpu and self.memory.host_gb <= self.host_capacity_gb
 
     def sort_key(self) -> tuple:
         s_p, s_g, s_os = self.layout.sharding()
-        return (self.objective_s, s_os * s_g * s_p, s_p, s_g, s_os, self.layout, self.ckpt_units)
+        return (self.objective_s, self.offload_units, s_os * s_g * s_p, s_p, s_g, s_os, self.layout, self.ckpt_units)
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,8 @@ class Plan:
     predicted_peak_gb: float = 0.0  # the allocator's peak (torch.cuda.max_memory_allocated's quantity)
     memory_profile: str = ""  # where the activation memory came from ("measured:...", "formula", a path)
     num_layers: int = 0
+    offload_units: int = 0  # the last k units (forward order, root first) keep their OS on the host
+    host_gb: float = 0.0  # host memory the offloaded OS chunks pin on this rank
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -125,7 +138,7 @@ class Plan:
             "param_dtype": self.param_dtype, "grad_dtype": self.grad_dtype, "model": self.model,
             "profile_source": self.profile_source, "predicted_comm_s": self.predicted_comm_s,
             "memory_gb": self.memory_gb, "predicted_peak_gb": self.predicted_peak_gb,
-            "memory_profile": self.memory_profile,
+            "memory_profile": self.memory_profile, "offload_units": self.offload_units, "host_gb": self.host_gb,
         }
 
     @classmethod
@@ -138,7 +151,8 @@ class Plan:
         return cls(topo, layout, units, obj["param_dtype"], obj["grad_dtype"], obj.get("model", ""),
                    obj.get("profile_source", ""), float(obj.get("predicted_comm_s", 0)),
                    float(obj.get("memory_gb", 0)), float(obj.get("predicted_peak_gb", 0)),
-                   obj.get("memory_profile", ""), layers)
+                   obj.get("memory_profile", ""), layers, int(obj.get("offload_units", 0)),
+                   float(obj.get("host_gb", 0.0)))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
@@ -170,15 +184,22 @@ def compute_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec,
 
 def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, train: TrainingSpec,
              mem: MemorySpec, table: ProfileTable, compute: ComputeSpec, objective: str = "step",
-             activations: Optional[ActivationProfile] = None, colls: Optional[tuple] = None) -> Evaluation:
+             activations: Optional[ActivationProfile] = None, colls: Optional[tuple] = None,
+             offload_units: int = 0, offload: OffloadSpec = OffloadSpec()) -> Evaluation:
     if colls is None:
         colls = tuple(cost.timed(cost.schedule(topo, layout, cost.model_units(model), train), table))
     fwd, bwd = compute_seconds(model, train, compute, ckpt_units)
     recompute = train.grad_accum * (bwd - 2 * fwd)
     exposed = cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum)
-    return Evaluation(layout, ckpt_units, memory(model, train, mem, topo, layout, ckpt_units, activations), colls,
-                      recompute, mem.capacity_gb, optimizer_seconds(model, train, layout.os.size, compute), objective,
-                      exposed, model.num_layers)
+    units = model.unit_params()
+    host = offload.host
+    off_s = offload_exposed(units, offload_units, layout, train, host, fwd) if offload_units else 0.0
+    return Evaluation(layout, ckpt_units,
+                      memory(model, train, mem, topo, layout, ckpt_units, activations, offload_units), colls,
+                      recompute, mem.capacity_gb,
+                      optimizer_seconds(model, train, layout.os.size, compute, offload_units), objective,
+                      exposed, model.num_layers, offload_units, off_s,
+                      host.capacity_gb if host is not None else float("inf"), len(units))
 
 
 def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
@@ -190,45 +211,83 @@ def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
 
 
 def _describe_ckpt(e: Evaluation) -> str:
-    return f" with {e.ckpt_units} of {e.num_layers} layer units checkpointed" if e.checkpointing else ""
+    ck = f" with {e.ckpt_units} of {e.num_layers} layer units checkpointed" if e.checkpointing else ""
+    off = f"{' and' if ck else ' with'} the OS of {e.offload_units} of {e.num_units} units on the host" if e.offload_units else ""
+    return ck + off
+
+
+def fewest_offloaded(ev, choices: list) -> tuple:
+    """(evaluation, how many evaluated): the fewest offloaded units whose plan fits the GPU (GPU memory only falls
+    as units leave it; host memory only grows), or the most offloaded when none does."""
+    first = ev(choices[0])
+    if first.fits_gpu or len(choices) == 1:
+        return first, 1
+    lo, hi, best, n = 1, len(choices) - 1, None, 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        e, n = ev(choices[mid]), n + 1
+        if e.fits_gpu:
+            best, hi = e, mid - 1
+        else:
+            lo = mid + 1
+    return (best, n) if best is not None else (ev(choices[-1]), n + 1)
+
+
+def _no_plan(smallest: Evaluation, mem: MemorySpec) -> NoFeasiblePlan:
+    if smallest.fits_gpu:  # host memory is what is short
+        return NoFeasiblePlan(
+            f"no plan fits: the smallest on the GPU, {smallest.layout}{_describe_ckpt(smallest)}, needs "
+            f"{_gib(smallest.memory.host_gb)} GiB of host memory per rank for its offloaded optimizer state, "
+            f"{_gib(smallest.host_capacity_gb)} GiB available (lins.host_memory_gb / --host-memory-gb)",
+            smallest, mem.capacity_gb)
+    lack = smallest.memory.total_gb - mem.capacity_gb
+    reserve = (f", {mem.reserved_gb:g} GiB of it the reserve outside the allocator (lins.reserved_gb / "
+               f"--reserved-gb)" if mem.reserved_gb else "")
+    return NoFeasiblePlan(
+        f"no plan fits in {mem.capacity_gb:g} GiB per GPU (lins.gpu_memory_gb / --gpu-memory-gb): the "
+        f"smallest, {smallest.layout}{_describe_ckpt(smallest)}, needs {_gib(smallest.memory.total_gb)} GiB"
+        f"{reserve} ({_gib(lack)} GiB more than available)", smallest, mem.capacity_gb)
 
 
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
           compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None, objective: str = "step",
-          activations: Optional[ActivationProfile] = None) -> Solution:
-    """The fastest fitting plan; raises NoFeasiblePlan naming the smallest plan and its deficit."""
+          activations: Optional[ActivationProfile] = None, offload: OffloadSpec = OffloadSpec()) -> Solution:
+    """The fastest fitting plan; raises NoFeasiblePlan naming the smallest plan and its deficit. Per layout and
+    checkpointing choice, the fewest offloaded units that fit (``offload``: none unless its mode allows)."""
     if objective not in OBJECTIVES:
         raise PlanError(f"objective: {objective!r} is not one of {OBJECTIVES}")
     t0 = time.perf_counter()
     layouts = candidates(topo) if layouts is None else layouts
     check_profile_covers(topo, layouts, table)
     choices = train.checkpoint_choices(model.num_layers)
-    evals, smallest, considered = [], None, 0
+    offload_choices = offload.choices(len(model.unit_params()))
+    evals, smallest, least_host, considered = [], None, None, 0
     for lay in layouts:
         colls = tuple(cost.timed(cost.schedule(topo, lay, cost.model_units(model), train), table))
-        for k in choices:  # ascending: the first that fits is this layout's best
-            e = evaluate(topo, lay, k, model, train, mem, table, compute, objective, activations, colls)
-            considered += 1
+
+        def ev(o, k):
+            return evaluate(topo, lay, k, model, train, mem, table, compute, objective, activations, colls, o,
+                            offload)
+
+        for k in choices:  # ascending: the first that fits without more offload than needed is this layout's best
+            e, n = fewest_offloaded(lambda o: ev(o, k), offload_choices)
+            considered += n
             if k == choices[0] or e.fits:
                 evals.append(e)
             if smallest is None or (e.memory.total_gb, e.sort_key()) < (smallest.memory.total_gb, smallest.sort_key()):
                 smallest = e
-            if e.fits:
-                break
+            if e.fits_gpu and (least_host is None or e.memory.host_gb < least_host.memory.host_gb):
+                least_host = e
+            if e.fits and e.offload_units == offload_choices[0]:
+                break  # more checkpointing only costs more
     fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
     if not fitting:
-        lack = smallest.memory.total_gb - mem.capacity_gb
-        reserve = (f", {mem.reserved_gb:g} GiB of it the reserve outside the allocator (lins.reserved_gb / "
-                   f"--reserved-gb)" if mem.reserved_gb else "")
-        raise NoFeasiblePlan(
-            f"no plan fits in {mem.capacity_gb:g} GiB per GPU (lins.gpu_memory_gb / --gpu-memory-gb): the "
-            f"smallest, {smallest.layout}{_describe_ckpt(smallest)}, needs {_gib(smallest.memory.total_gb)} GiB"
-            f"{reserve} ({_gib(lack)} GiB more than available)", smallest, mem.capacity_gb)
+        raise _no_plan(least_host or smallest, mem)
     best = fitting[0]
     faster = [e for e in evals if not e.fits and e.objective_s < best.objective_s]
     plan = Plan(topo, best.layout, best.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
                 model.name, table.source, best.comm_s, best.memory.total_gb, best.memory.allocated_gb,
-                best.memory.activation_source, model.num_layers)
+                best.memory.activation_source, model.num_layers, best.offload_units, best.memory.host_gb)
     return Solution(plan, best, fitting[1] if len(fitting) > 1 else None,
                     min(faster, key=Evaluation.sort_key) if faster else None,
                     considered, len(fitting), time.perf_counter() - t0)

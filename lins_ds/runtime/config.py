@@ -7,6 +7,7 @@ Each field of ``LinsConfig`` carries its own rule (``_rule``); the parser walks 
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
@@ -98,6 +99,35 @@ def _plan(key, value):
     return {s: tuple(value[s]) for s in STATES}
 
 
+OFFLOAD_KEYS = ("os", "os_fraction", "p", "g")
+
+
+def _offload(key, value):
+    """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f}: (mode, fraction)."""
+    if value == "auto":
+        return ("auto", 1.0)
+    if value is False:
+        return ("off", 1.0)
+    if not isinstance(value, dict):
+        _bad(key, value, "\"auto\", false or {\"os\": \"cpu\", \"os_fraction\": 0.5}")
+    unknown = sorted(set(value) - set(OFFLOAD_KEYS))
+    if unknown:
+        raise LinsConfigError(f"lins.offload.{unknown[0]}: unknown key (known keys: {', '.join(OFFLOAD_KEYS)})")
+    for state in ("p", "g"):
+        if value.get(state, "gpu") != "gpu":
+            raise LinsConfigError(
+                f"lins.offload.{state}: {value[state]!r} is not supported: Lins offloads the optimizer state "
+                "(\"os\"); parameters and gradients stay on the GPU (gradients leave it once final, for the "
+                "host update). Use \"gpu\" or leave the key out")
+    where = value.get("os", "cpu")
+    if where not in ("cpu", "gpu"):
+        _bad(f"{key}.os", where, "\"cpu\" or \"gpu\"")
+    fraction = value.get("os_fraction", 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        _bad(f"{key}.os_fraction", fraction, "a number in (0, 1]: the fraction of units whose OS is on the host")
+    return ("fixed", float(fraction)) if where == "cpu" else ("off", 1.0)
+
+
 def _rule(default, rule: Callable, doc: str, shown: Optional[str] = None):
     """A field of the ``lins`` block: its default, its rule, and what README's key table says of it (``shown``:
     the default as a user reads it, when not the value itself)."""
@@ -146,6 +176,13 @@ class LinsConfig:
                                      "`false` waits in `step()`")
     init: str = _rule("eager", _one_of(("eager", "per_module")), "values of a model built under `lins_ds.init`: "
                       "the eager build's, or `\"per_module\"` (each module's init, seeded by its name; faster)")
+    offload: tuple = _rule(("auto", 1.0), _offload,
+                           "optimizer state on the host: `\"auto\"` (the solver decides; never on CPUs), `false`, "
+                           "or `{\"os\": \"cpu\", \"os_fraction\": f}`", "`\"auto\"`")
+    host_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib),
+                                            "host memory offload may pin per node (GiB)", "what is free")
+    host_optimizer: str = _rule("auto", _one_of(("auto", "torch", "deepspeed")),
+                                "`\"torch\"` (fused CPU AdamW), `\"deepspeed\"` (DeepSpeedCPUAdam) or `\"auto\"` (timed)")
     elementwise_optimizer: bool = _rule(False, _boolean, "declares the optimizer element-wise; else a two-step "
                                         "probe decides")
     checkpoint_pickle: bool = _rule(False, _boolean, "`load_checkpoint` may unpickle any object (runs code: "
@@ -174,8 +211,11 @@ class LinsConfig:
         return Layout(f["p"], f["g"], f["os"])
 
 
+AUTO_ALLOWED = ("lins.offload", "lins.host_optimizer")
+
+
 def _find_auto(obj, path="lins"):
-    if obj == "auto":
+    if obj == "auto" and path not in AUTO_ALLOWED:
         raise LinsConfigError(f"{path}: \"auto\" is not accepted inside lins (accelerate would fill it); use null")
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -203,6 +243,40 @@ def key_table() -> str:
         shown = f.metadata["shown"] or (f"`{json.dumps(f.default)}`")
         rows.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
     return "\n".join(rows)
+
+
+def _offload_device(block) -> str:
+    return block.get("device", "none") if isinstance(block, dict) else "none"
+
+
+def translate_zero_offload(ds_config: dict) -> tuple:
+    """(config, notes) for a ZeRO-Offload config switched to Lins (a ``lins`` block on): its
+    ``zero_optimization.offload_optimizer`` (device "cpu"; ``ratio``, DeepSpeed's partial offload, the fraction)
+    becomes ``lins.offload``'s fixed form unless the lins block sets ``offload``; ``offload_param`` is dropped
+    (Lins keeps parameters on the GPU). DeepSpeed gets a copy without either, so that it neither rejects them
+    (a ratio below 1 outside stage 3) nor builds its own CPU optimizer."""
+    zero = ds_config.get("zero_optimization")
+    if not isinstance(zero, dict) or not ({"offload_optimizer", "offload_param"} & set(zero)):
+        return ds_config, []
+    oo, op = zero.get("offload_optimizer"), zero.get("offload_param")
+    new = copy.deepcopy(ds_config)
+    for key in ("offload_optimizer", "offload_param"):
+        new["zero_optimization"].pop(key, None)
+    notes, device = [], _offload_device(oo)
+    if device not in ("none", None):
+        if device != "cpu":
+            raise LinsConfigError(f"zero_optimization.offload_optimizer.device: {device!r} is not supported with "
+                                  "lins; Lins offloads optimizer state to \"cpu\" (host memory)")
+        ratio = oo.get("ratio", 1.0)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise LinsConfigError(f"zero_optimization.offload_optimizer.ratio: {ratio!r} is not a number in (0, 1]")
+        if isinstance(new.get("lins"), dict) and "offload" not in new["lins"]:
+            new["lins"] = {**new["lins"], "offload": {"os": "cpu", "os_fraction": float(ratio)}}
+            notes.append(f"zero_optimization.offload_optimizer read as \"lins\": {{\"offload\": {{\"os\": \"cpu\", "
+                         f"\"os_fraction\": {float(ratio):g}}}}} (Lins' host optimizer; DeepSpeed builds none)")
+    if _offload_device(op) not in ("none", None):
+        notes.append("zero_optimization.offload_param ignored: Lins keeps parameters on the GPU")
+    return new, notes
 
 
 def lins_block(ds_config: dict) -> Optional[dict]:

@@ -86,8 +86,14 @@ def report_startup(runtime, context, seconds: float) -> None:
     print(msg, flush=True)
 
 
-def check(plan: Plan, context, device: torch.device) -> None:
-    """Run on every rank after the first optimizer step; the worst rank's peak is reported."""
+def check(plan: Plan, context, device: torch.device, host_gb: float = 0.0) -> None:
+    """Run on every rank after the first optimizer step; the worst rank's peak is reported, and with offload the
+    host memory this rank's offloaded state holds (``host_gb``) next to the plan's."""
+    if host_gb and comm.rank() == 0:
+        msg = (f"lins host memory: offloaded optimizer state holds {host_gb:.2f} GiB on rank 0 vs predicted "
+               f"{plan.host_gb:.2f} GiB ({100 * (host_gb / plan.host_gb - 1) if plan.host_gb else 0:+.1f} %)")
+        logger.info(msg)
+        print(msg, flush=True)
     mine = measured(device)
     if mine is None:
         return

@@ -18,6 +18,7 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
 from .. import comm
 from .config import LinsConfigError
+from .offload import HostOptimizer, HostUpdater, host_empty
 
 def _known_elementwise() -> tuple:
     """Optimizer classes whose update is element-wise (by identity, not name)."""
@@ -90,13 +91,19 @@ def steps_per_parameter(optimizer) -> bool:
 
 
 class MasterSlice:
-    """The master tensor of one ``OSRange`` (a param group's part of one unit's OS chunk on this rank)."""
+    """The master tensor of one ``OSRange`` (a param group's part of one unit's OS chunk on this rank); in host
+    memory (pinned where the device is a GPU) for a unit whose OS is offloaded."""
 
-    def __init__(self, os_range):
-        self.range = os_range
+    def __init__(self, os_range, on_host: bool = False):
+        self.range, self.on_host = os_range, on_host
         src = os_range.params()
-        self.aliased = src.dtype == torch.float32  # fp32 params are their own master copy
-        self.param = torch.nn.Parameter(src if self.aliased else src.float().clone())
+        self.aliased = src.dtype == torch.float32 and not on_host  # fp32 params are their own master copy
+        if on_host:
+            master = host_empty(src.numel(), torch.float32, src.device)
+            master.copy_(src)
+        else:
+            master = src if self.aliased else src.float().clone()
+        self.param = torch.nn.Parameter(master)
 
     def grad_view(self) -> torch.Tensor:
         return self.range.grads()
@@ -108,8 +115,9 @@ class MasterSlice:
 
 class LinsOptimizer(ZeROOptimizer):
     def __init__(self, basic, runtime, clip: float = 0.0, fp16: bool = False, static_loss_scale: float = 1.0,
-                 dynamic_loss_scale: bool = False, dynamic_loss_args=None):
-        """``basic`` must be element-wise (``check_elementwise``, which the engine runs before any collective)."""
+                 dynamic_loss_scale: bool = False, dynamic_loss_args=None, host_optimizer: str = "torch"):
+        """``basic`` must be element-wise (``check_elementwise``, which the engine runs before any collective).
+        ``host_optimizer`` ("torch" or "deepspeed") updates the units whose OS the plan puts on the host."""
         super().__init__()
         self.optimizer, self.runtime, self.clip = basic, runtime, clip
         self.custom_loss_scaler, self.torch_autocast_gradscaler = False, None
@@ -119,18 +127,28 @@ class LinsOptimizer(ZeROOptimizer):
         self.overflow = False
         self._global_grad_norm = None
         self.slices: list = []
+        host_units = set(runtime.host_units)
         for gi, group in enumerate(basic.param_groups):
-            masters = [MasterSlice(r) for r in runtime.os_ranges(gi)]
+            masters = [MasterSlice(r, r.unit in host_units) for r in runtime.os_ranges(gi)]
             self.slices.extend(masters)
             group["params"] = [m.param for m in masters]
         basic.state.clear()
+        self.host = self._host_updater(host_optimizer) if host_units else None
         # torch's optimizers keep their state, the step count included, per parameter: stepping them one unit
         # at a time is the same update, with one unit's fp32 gradients and temporaries alive at once instead
         # of the whole OS chunk's (docs/design.md §8). Others (DeepSpeed's FusedAdam counts steps per group)
         # take one step over everything.
-        units = list(dict.fromkeys(s.range.unit for s in self.slices))
-        self.update_batches = ([[s for s in self.slices if s.range.unit is u] for u in units]
-                               if steps_per_parameter(basic) else [self.slices])
+        on_gpu = [s for s in self.slices if not s.on_host]
+        units = list(dict.fromkeys(s.range.unit for s in on_gpu))
+        self.update_batches = ([[s for s in on_gpu if s.range.unit is u] for u in units]
+                               if steps_per_parameter(basic) else [on_gpu] if on_gpu else [])
+
+    def _host_updater(self, kind: str) -> HostUpdater:
+        host = [s for s in self.slices if s.on_host]
+        by_group = [[s.param for s in host if s.range.group == gi] for gi in range(len(self.optimizer.param_groups))]
+        opt = HostOptimizer(self.optimizer, by_group, kind, self.runtime.device)
+        units = list(dict.fromkeys(s.range.unit for s in host))
+        return HostUpdater(opt, [(u, [s for s in host if s.range.unit is u]) for u in units], self.runtime.device)
 
     # DeepSpeed and schedulers reach through to the basic optimizer's groups and state.
     @property
@@ -155,6 +173,14 @@ class LinsOptimizer(ZeROOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.attach_grads()
 
+    def host_gb(self) -> float:
+        """Host memory the offloaded units' state holds on this rank (0 without offload); waits for the host
+        updates in flight (their optimizer state may not exist yet)."""
+        if self.host is None:
+            return 0.0
+        self.host.join()
+        return self.host.nbytes() / 2**30
+
     def _grad_norm(self, inv_scale: float) -> torch.Tensor:
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""
         rt = self.runtime
@@ -168,7 +194,9 @@ class LinsOptimizer(ZeROOptimizer):
     def step(self, closure=None):
         """No host synchronisation except for fp16, whose overflow decides on the host whether to step."""
         rt = self.runtime
-        rt.finish_gradients()
+        rt.finish_gradients()  # the last step's host updates included
+        if self.host is not None:
+            self.host.join()
         rt.check_collectives()
         inv_scale = 1.0 / (rt.topo.world_size * self.cur_scale)
         norm = self._grad_norm(inv_scale)
@@ -181,9 +209,10 @@ class LinsOptimizer(ZeROOptimizer):
         coef = torch.full((), inv_scale, dtype=torch.float32, device=rt.device)
         if self.clip > 0:
             coef = coef * (self.clip / (norm + 1e-6)).clamp(max=1.0)
+        downloads = self.host.download(coef) if self.host is not None else None  # host units' gradients leave
         for batch in self.update_batches:
             self._update(batch, coef)
-        rt.sync_parameters()
+        rt.sync_parameters(self.host, downloads)
         rt.zero_gradients()
         self._global_grad_norm = norm
 

@@ -19,12 +19,13 @@ from deepspeed.utils import logger
 from .. import comm, dtypes
 from ..plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                     load_model, solve)
-from ..plan.solver import evaluate
+from ..plan.offload import HostSpec, OffloadSpec
+from ..plan.solver import fewest_offloaded, evaluate
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
 from ..plan.memory import ActivationProfile
 from ..plan.model import from_hf_config, measured
-from . import recompute
+from . import offload, recompute
 from .assign import assign_units, find_layers
 from .config import LinsConfig, LinsConfigError
 from .optimizer import steps_per_parameter
@@ -151,16 +152,52 @@ class SolveContext:
     objective: str
     activations: Optional[ActivationProfile]
     activations_note: str = "formula"
+    offload: OffloadSpec = OffloadSpec()
 
     def solve(self, capacity_gb: Optional[float] = None):
         mem = self.mem if capacity_gb is None else MemorySpec(capacity_gb, self.mem.reserved_gb, self.mem.fragmentation)
         return solve(self.model, self.topo, self.train, mem, self.table, self.compute, layouts=self.layouts,
-                     objective=self.objective, activations=self.activations)
+                     objective=self.objective, activations=self.activations, offload=self.offload)
+
+    def evaluate(self, layout, ckpt_units: int, offload_units: int = 0):
+        return evaluate(self.topo, layout, ckpt_units, self.model, self.train, self.mem, self.table, self.compute,
+                        self.objective, self.activations, offload_units=offload_units, offload=self.offload)
+
+
+def host_capacity_gb(cfg: LinsConfig) -> float:
+    """Host memory this rank may pin: lins.host_memory_gb (per node) or the node's available memory, shared by
+    the node's ranks."""
+    node = cfg.host_memory_gb if cfg.host_memory_gb is not None else psutil.virtual_memory().available / 2**30
+    return node / max(1, comm.local_world_size())
+
+
+def offload_spec(basic, cfg: LinsConfig, device: torch.device) -> tuple:
+    """(OffloadSpec, host optimizer kind): lins.offload with this host's speeds, measured on every rank and
+    rank 0's kept (every rank must price the same plan); "auto" never offloads on a CPU device."""
+    mode, fraction = cfg.offload
+    if mode == "auto" and device.type != "cuda":
+        mode = "off"
+    if mode == "off":
+        return OffloadSpec(), "torch"
+    capacity = host_capacity_gb(cfg)
+    if device.type != "cuda":
+        kind = "torch" if cfg.host_optimizer == "auto" else cfg.host_optimizer
+        return OffloadSpec(mode, fraction, HostSpec(capacity, source="assumed: a CPU device")), kind
+    try:
+        found, error = offload.measure(basic, cfg.host_optimizer, device, capacity), None
+    except LinsConfigError as e:
+        found, error = None, str(e)
+    error = comm.agree(error)
+    if error:
+        raise LinsConfigError(error)
+    host, kind = comm.broadcast_object(found)
+    return OffloadSpec(mode, fraction, host), kind
 
 
 def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-                  ckpt=None, table: Optional[ProfileTable] = None) -> SolveContext:
-    """The solver's inputs for this engine's model, batch, dtypes, optimizer and device."""
+                  ckpt=None, table: Optional[ProfileTable] = None, offload=None) -> SolveContext:
+    """The solver's inputs for this engine's model, batch, dtypes, optimizer and device (``offload``: what
+    ``offload_spec`` returned)."""
     module = engine.module
     model = _model_spec(module, cfg)
     train = TrainingSpec(_seq_len(module, cfg), engine.train_micro_batch_size_per_gpu(),
@@ -174,24 +211,37 @@ def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, acc
     layouts = candidates(topo)
     if not comm.SUPPORTS_UNSORTED_GROUPS:  # older torch: only layouts whose groups are in rank order
         layouts = [lay for lay in layouts if not needs_unsorted_groups(topo, lay)]
+    spec = offload[0] if offload is not None else OffloadSpec()
     return SolveContext(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
-                        get_cluster(cfg.cluster).compute(), layouts, cfg.objective, acts, acts_note)
+                        get_cluster(cfg.cluster).compute(), layouts, cfg.objective, acts, acts_note, spec)
 
 
-def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+def _offload_note(context: SolveContext, plan: Plan) -> str:
+    host = context.offload.host
+    if not plan.offload_units or host is None:
+        return ""
+    return (f"\n  offload: host optimizer {host.optimizer}, {host.update_elems_per_s / 1e9:.2f} G elements/s; "
+            f"copies {host.h2d_gbs:.1f} GB/s up, {host.d2h_gbs:.1f} GB/s down ({host.source}); "
+            f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}")
+
+
+def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
+               offload=None) -> tuple:
     """(plan, summary, context) of the fastest plan that fits."""
-    context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, checkpoint_units(engine.module, cfg))
+    context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, checkpoint_units(engine.module, cfg),
+                            offload=offload)
     try:
         sol = context.solve()
     except PlanError as e:
         raise LinsConfigError(str(e)) from None
-    summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}"
+    summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}" + _offload_note(context, sol.plan)
     if context.model.unmodelled:
         summary += f"\n  model: {context.model.unmodelled}"
     return sol.plan, summary, context
 
 
-def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
+               offload=None) -> tuple:
     """(plan, summary, context or None) of the config's fixed layout, with the memory the planner predicts
     for it where the model's shape is known (lins.model or a Hugging Face config)."""
     layout = cfg.layout(topo)
@@ -204,27 +254,37 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
                 profile_source="fixed in config", num_layers=n)
     summary = (f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {layout}"
                + (f", {k} of {n} layer units checkpointed" if k else ""))
+    spec = offload[0] if offload is not None else OffloadSpec()
     try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
         table = get_cluster(cfg.cluster).table(cost.required_meshes(topo, [layout]))
-        context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table)
-    except PlanError as e:  # a prediction never blocks a fixed plan
-        return plan, summary + f" (memory not predicted: {e})", None
-    e = evaluate(topo, layout, k, context.model, context.train, context.mem, table, context.compute,
-                 cfg.objective, context.activations)
+        context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table, offload)
+    except PlanError as e:  # a prediction never blocks a fixed plan; a fixed offload still applies
+        if spec.mode == "fixed":
+            plan = dataclasses.replace(plan, offload_units=spec.choices(n + 1)[0])
+        return plan, summary + _fixed_offload_note(plan) + f" (memory not predicted: {e})", None
+    e, _ = fewest_offloaded(lambda o: context.evaluate(layout, k, o), spec.choices(len(context.model.unit_params())))
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
-                               memory_profile=e.memory.activation_source)
+                               memory_profile=e.memory.activation_source, offload_units=e.offload_units,
+                               host_gb=e.memory.host_gb)
+    summary += _fixed_offload_note(plan)
     summary += (f"; predicted peak {e.memory.allocated_gb:.2f} GiB allocated, {e.memory.total_gb:.2f} GiB with "
                 f"margin and reserve (activations: {context.activations_note})")
     if context.model.unmodelled:
         summary += f"; model: {context.model.unmodelled}"
-    return plan, summary, context
+    return plan, summary + _offload_note(context, plan), context
 
 
-def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
-    """(plan, summary, solve context or None): solved, or the fixed layout of the config."""
+def _fixed_offload_note(plan: Plan) -> str:
+    return f"; optimizer state of the last {plan.offload_units} unit(s) on the host" if plan.offload_units else ""
+
+
+def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
+              offload=None) -> tuple:
+    """(plan, summary, solve context or None): solved, or the fixed layout of the config. ``offload``: what
+    ``offload_spec`` returned (None: no offload)."""
     if cfg.solve:
-        return solve_plan(engine, cfg, topo, param_dtype, accum_dtype)
-    return fixed_plan(engine, cfg, topo, param_dtype, accum_dtype)
+        return solve_plan(engine, cfg, topo, param_dtype, accum_dtype, offload)
+    return fixed_plan(engine, cfg, topo, param_dtype, accum_dtype, offload)
 
 
 def agree_on_plan(plan: Plan, check_collectives: bool = False) -> bool:

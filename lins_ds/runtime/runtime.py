@@ -21,10 +21,13 @@ import torch
 from .. import comm
 from ..plan import Plan
 from ..plan.layout import is_first_replica
+from ..plan.offload import hides_behind_forward
 from . import init_replay
 from .assign import assign_units, build_unit
 from .executor import Executor, Phase, Progress
 from .materialize import Materializer, is_deferred
+from .offload import HOST_PIECE
+from .unit import ParamState
 
 
 class LinsRuntime:
@@ -61,6 +64,9 @@ class LinsRuntime:
         self.progress = Progress()
         self._executor = Executor(module, root, layers, reduce_dtype, self.progress)
         self.os_replicas = self.topo.world_size // self.layout.os.size
+        # the plan's last offload_units units keep their OS on the host (forward order: root first)
+        k = min(plan.offload_units, len(self.units))
+        self.host_units = self.units[len(self.units) - k:] if k else []
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
 
@@ -95,11 +101,21 @@ class LinsRuntime:
             unit.wait_param_sync()
 
     @torch.no_grad()
-    def sync_parameters(self) -> None:
+    def sync_parameters(self, host=None, downloads: Optional[list] = None) -> None:
         """After the update: gather each P chunk from the OS chunks of its P-sync group (asynchronously
-        when overlapping; each unit's next use waits for its own gather)."""
+        when overlapping; each unit's next use waits for its own gather). ``host`` (a HostUpdater, with the
+        ``downloads`` it launched) starts the offloaded units' host updates; where no P-sync follows them and
+        overlap is on, they outlive this call and each unit's next use waits for its own (docs/design.md §13);
+        else they are waited for here, in unit order, each unit's P-sync launched after its update."""
         self.release_all()  # gathered copies are stale now
+        if host is not None:
+            host.start(downloads)
+        lazy = self.overlap_param_sync and hides_behind_forward(self.layout)
         for unit in self.units:
+            if unit.param_state is ParamState.UPDATING:
+                if lazy:
+                    continue
+                unit.finish_host_update()
             unit.wait_param_sync()
             unit.start_param_sync(async_op=self.overlap_param_sync)
         self.progress.phase = Phase.FORWARD
@@ -122,8 +138,14 @@ class LinsRuntime:
 
     # --- what the optimizer and the checkpoints see ----------------------------------------------
     def os_ranges(self, group: int) -> list:
-        """This rank's part of param group ``group`` in each unit's OS chunk (``OSRange``), root first."""
-        return [r for r in (u.os_range(group) for u in self.units) if r is not None]
+        """This rank's part of param group ``group`` in each unit's OS chunk (``OSRange``), root first; an
+        offloaded unit's in pieces of at most ``HOST_PIECE`` elements (host tensors the worker updates one by one)."""
+        out = []
+        for u in self.units:
+            r = u.os_range(group)
+            if r is not None:
+                out += r.pieces(HOST_PIECE) if u in self.host_units else [r]
+        return out
 
     def os_grads(self) -> list:
         """Each unit's accumulated gradient of this rank's OS chunk (padding included, which stays zero)."""

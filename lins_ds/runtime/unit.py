@@ -10,6 +10,8 @@ The unit owns its state; callers ask for transitions, and each transition checks
 
     parameters  SHARDED --start_gather--> GATHERING --wait_gather--> GATHERED --release--> SHARDED
                 SHARDED --start_param_sync--> SYNCING --wait_param_sync--> SHARDED
+                at rest --begin_host_update--> UPDATING --wait_param_sync--> at rest   (OS offloaded: the host
+                optimizer writes the P chunk; the unit's next use waits for it, docs/design.md §13)
                 (s_p == 1: GATHERED --start_param_sync--> SYNCING --wait_param_sync--> GATHERED)
     gradients   ACCUMULATING --start_reduce--> REDUCING --finish_reduce--> REDUCED
                 (s_g == 1: start_reduce goes straight to REDUCED)
@@ -45,6 +47,7 @@ class ParamState(enum.Enum):
     GATHERING = "gathering"  # an AllGather into the full buffer is in flight (prefetch)
     GATHERED = "gathered"  # the full buffer is materialised; parameters are views into it
     SYNCING = "syncing"  # after the update, the P chunk is being rebuilt from the OS chunks (P-sync in flight)
+    UPDATING = "updating"  # the host optimizer is updating this unit (OS offloaded); not yet on the device
 
 
 class GradState(enum.Enum):
@@ -108,6 +111,10 @@ class OSRange:
         """The window's accumulated gradient of the range (a view into the G accumulator)."""
         return self.unit.g_acc[self.lo - self.unit.g_base:self.hi - self.unit.g_base]
 
+    def pieces(self, size: int) -> list:
+        """The range cut into consecutive ranges of at most ``size`` elements."""
+        return [OSRange(self.unit, self.group, a, min(a + size, self.hi)) for a in range(self.lo, self.hi, size)]
+
     def by_parameter(self) -> Iterator[tuple]:
         """(parameter name, [a, b) within the parameter, [s, e) within the range) for each parameter it covers."""
         for slot, ab, se in self.unit.slices_by_parameter(self.lo, self.hi):
@@ -163,6 +170,8 @@ class Unit:
         self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
         self._no_grad: set = set()  # parameters this backward does not reach (counted in _pending)
         self._gather_work = self._sync_work = self._replica_work = None
+        self._host = None  # the HostUpdater updating this unit (UPDATING)
+        self.host_upload_event = None
         self._reduce = None  # (work, output) of an in-flight ReduceScatter
         self._replica_tmp = None  # the reduce-dtype copy an in-flight replica AllReduce works on
         self._grads_attached = False
@@ -194,7 +203,10 @@ class Unit:
 
     def start_gather(self) -> None:
         """Launch the AllGather of the full parameters without waiting (prefetch); once per use: nothing to do
-        when the gather is in flight or done. A P-sync still in flight is waited for first."""
+        when the gather is in flight or done. A P-sync still in flight is waited for first; a host update still
+        running is not (a prefetch must not block on it: ``wait_gather`` does)."""
+        if self.param_state is ParamState.UPDATING and not self._host.ready(self):
+            return
         self.wait_param_sync()
         if self.param_state is not ParamState.SHARDED:
             return
@@ -207,6 +219,7 @@ class Unit:
 
     def wait_gather(self) -> None:
         """Make the full parameters current and usable on this stream."""
+        self.wait_param_sync()
         self.start_gather()
         if self.param_state is ParamState.GATHERING:
             if self._gather_work is not None:
@@ -217,7 +230,7 @@ class Unit:
     def release(self) -> None:
         """Free the full buffer (s_p > 1), never while a collective still writes into it. Nothing to do when it
         is not gathered (SHARDED, or SYNCING: a unit the last forward did not use)."""
-        if not self.sharded_p or self.param_state in (ParamState.SHARDED, ParamState.SYNCING):
+        if not self.sharded_p or self.param_state in (ParamState.SHARDED, ParamState.SYNCING, ParamState.UPDATING):
             return
         self.wait_gather()
         self.full.untyped_storage().resize_(0)
@@ -231,7 +244,25 @@ class Unit:
         if async_op and work is not None:
             self._sync_work, self.param_state = work, ParamState.SYNCING
 
+    def begin_host_update(self, host) -> None:
+        """The host optimizer (``host``, a HostUpdater) now writes this unit's P chunk; its next use waits."""
+        self._expect(self.param_state, (self._at_rest,), "begin_host_update")
+        self._host, self.param_state = host, ParamState.UPDATING
+
+    def finish_host_update(self) -> None:
+        """Wait for the host optimizer's update of this unit (its P chunk then current on this device's stream;
+        the P-sync, where there is one, is the caller's)."""
+        self._expect(self.param_state, (ParamState.UPDATING,), "finish_host_update")
+        host, self._host = self._host, None
+        self.param_state = self._at_rest
+        host.wait(self)
+
     def wait_param_sync(self) -> None:
+        """The P chunk current: a host update waited for (and the P-sync after it run: none when s_os == s_p, the
+        only layouts whose host updates outlive ``step()``), a P-sync in flight completed."""
+        if self.param_state is ParamState.UPDATING:
+            self.finish_host_update()
+            self.start_param_sync(async_op=False)
         if self.param_state is ParamState.SYNCING:
             self._sync_work.wait()
             self._sync_work, self.param_state = None, self._at_rest

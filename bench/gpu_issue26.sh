@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 26 (offload) on one H200 (device tool, nvidia-h200). DeepSpeed 0.19.8 from .whl (carry it).
+# Usage: OUT=<dir> bash bench/gpu_issue26.sh [smoke] [3b-lins] [3b-ds] [3b-more] [7b] (all by default); writes $OUT/<part>_<run>.json and $OUT/log.txt.
+#  smoke  the tiny LLaMA under Lins with every OS on the host (CUDA streams, pinned memory, the worker thread)
+#  3b     LLaMA h3072 x 24 (2.92 B), seq 4096, micro-batch 2, gas 2, bf16, AdamW, clip 1, every layer checkpointed
+#         (HF gradient checkpointing, all modes): DeepSpeed ZeRO-2 + offload_optimizer, ZeRO-3 + offload_param +
+#         offload_optimizer, ZeRO-3 + offload_optimizer ratio 0.6; Lins (offload "auto") at 40 and 30 GiB and at
+#         the faster DeepSpeed full offload's footprint (its max_memory_reserved + Lins' 2 GiB reserve); Lins
+#         reading the ZeRO-Offload config itself (stage 0 + "lins": {}: every unit's OS on the host)
+#  7b     LLaMA-7B, seq 2048, micro-batch 1, gas 1, Lins with "gpu_memory_gb": 80 (the solver picks
+#         checkpointing and offload)
+set -uo pipefail
+OUT=${OUT:-bench/out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+run() {  # run <name> <timeout s> <bench.train args...>
+  local name=$1 limit=$2; shift 2
+  echo "== $name" | tee -a "$OUT/log.txt"
+  timeout "$limit" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 500)) -m bench.train "$@" \
+    --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "rc $?" >> "$OUT/$name.log"
+  grep -E "^step|Lins plan|optimizer state on|offload:|lins memory|lins host|lins start-up|Error|error:|Killed|rc " \
+    "$OUT/$name.log" | grep -v "^step    [3-7] " | tail -14 | tee -a "$OUT/log.txt"
+}
+M3=bench/models/llama-2.9b.json
+B3=(--model $M3 --seq-len 4096 --micro-batch-size 2 --grad-accum 2 --steps 8 --warmup-steps 3 --checkpointing)
+L=(--lins-init per_module)
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(smoke 3b-lins 3b-ds 3b-more 7b)
+for part in "${parts[@]}"; do
+  case $part in
+  smoke)
+    run smoke_all 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 --warmup-steps 2 \
+      --lins-offload '{"os": "cpu"}' "${L[@]}"
+    run smoke_half 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 --warmup-steps 2 \
+      --lins-offload '{"os": "cpu", "os_fraction": 0.5}' "${L[@]}" ;;
+  3b-lins)
+    run 3b_lins_40 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}"
+    run 3b_lins_30 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 30 "${L[@]}" ;;
+  3b-ds)
+    run 3b_zero2_offload 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
+    run 3b_zero3_offload 240 --deepspeed_config ds_configs/zero3_offload.json "${B3[@]}" ;;
+  3b-more)  # FP=<GiB>: the footprint when 3b ran in another call
+    fp=${FP:-$(python3 -c "import json,sys; r=[json.load(open(f)) for f in sys.argv[1:]]; r=[x for x in r if x.get('median_step_s')]
+b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 2.0, 2))" \
+      "$OUT/3b_zero2_offload.json" "$OUT/3b_zero3_offload.json")}
+    echo "DeepSpeed footprint + reserve: $fp GiB" | tee -a "$OUT/log.txt"
+    run 3b_lins_footprint 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb "$fp" "${L[@]}"
+    run 3b_zero3_ratio 240 --deepspeed_config ds_configs/zero3_offload_ratio.json "${B3[@]}"
+    run 3b_lins_from_zero_offload 240 --deepspeed_config ds_configs/lins_from_zero_offload.json "${B3[@]}" "${L[@]}" ;;
+  3b-again)  # Lins' three budgets, then DeepSpeed's partial offload (FP as for 3b-more)
+    run 3b_lins_40 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}"
+    run 3b_lins_30 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 30 "${L[@]}"
+    run 3b_lins_footprint 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb "${FP:?}" "${L[@]}" ;;
+  3b-ratio)
+    run 3b_zero3_ratio 240 --deepspeed_config ds_configs/zero3_offload_ratio.json "${B3[@]}" ;;
+  7b)
+    run 7b_lins_80 400 --deepspeed_config ds_configs/lins_offload.json --model 7b --seq-len 2048 --micro-batch-size 1 \
+      --grad-accum 1 --steps 6 --warmup-steps 2 --lins-memory-gb 80 "${L[@]}" ;;
+  esac
+done
+free -g | tee -a "$OUT/log.txt"
+# one archive: the device tool brings back a limited number of files
+tar -czf "$OUT/issue26_$(date +%H%M%S).tar.gz" -C "$OUT" $(cd "$OUT" && ls *.json *.log log.txt 2>/dev/null) \
+  && (cd "$OUT" && rm -f *.json *.log)

@@ -1,0 +1,321 @@
+"""The host side of offload (docs/design.md §13): the offloaded units' master weights and moments in pinned host
+memory, the host optimizer, and ``HostUpdater``, which runs their updates after ``step()`` returns.
+
+One step, for the units whose OS is on the host (the plan's last ``offload_units``):
+
+    step()       the global norm is taken on the GPU (every unit's gradient is still there); each host slice's
+                 gradient and the clip coefficient go down on a copy stream (``download``); the GPU units update
+                 as usual; the worker thread starts.
+    worker       unit by unit in forward order: wait for the unit's gradient, scale it, step the host optimizer,
+                 cast the master to the parameter dtype in a pinned buffer, copy it up on the copy stream.
+    next use     the unit's forward (or anything that reads its parameters) waits for its own update only
+                 (``Unit`` state UPDATING): the first units' forward runs while the last ones are updated.
+
+On a CPU device the "host" is a separate tensor pool on the same memory and the copies are synchronous: the same
+code paths run, which is what the CPU tests check.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import sys
+import threading
+from contextlib import nullcontext
+import time
+from typing import Optional
+
+import torch
+
+from ..plan.offload import HostSpec
+from .config import LinsConfigError
+
+HOST_PIECE = 1 << 25  # elements per host master tensor (128 MiB in fp32): few enough calls that the worker rarely
+# waits for the GIL, small enough that the first update starts soon and memory-bound temporaries stay small
+SWITCH_INTERVAL_S = 5e-4  # while the worker runs: the training thread hands over the GIL within 0.5 ms, not 5
+PREFER_DEEPSPEED = 1.25  # "auto" takes DeepSpeedCPUAdam only this much faster than torch's: it holds the GIL
+
+
+def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host memory for a copy to or from ``device``: pinned where the device is a GPU."""
+    return torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def adam_mode(basic) -> Optional[bool]:
+    """True: AdamW (decoupled weight decay); False: Adam (L2); None: not an Adam."""
+    import torch.optim as O
+
+    if isinstance(basic, O.AdamW):
+        return True
+    if isinstance(basic, O.Adam):
+        return bool(basic.defaults.get("decoupled_weight_decay", False))
+    mode = getattr(basic, "adam_w_mode", None)  # DeepSpeed's FusedAdam and DeepSpeedCPUAdam
+    return bool(mode) if mode is not None else None
+
+
+def _deepspeed_cpu_adam():
+    """DeepSpeedCPUAdam's class when its op builds on this machine, else None."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load(verbose=False)
+        return DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001 - no compiler, no ninja, an unsupported CPU: torch's optimizer is used
+        return None
+
+
+_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov", "alpha",
+          "maximize", "foreach", "lr_decay", "initial_accumulator_value", "rho", "centered", "decoupled_weight_decay")
+
+
+class HostOptimizer:
+    """The offloaded slices' optimizer: the same hyperparameters as the engine's (read from its param groups at
+    every step, so LR schedulers act on both), its own CPU implementation, the engine optimizer's state dict (so
+    checkpoints see one optimizer)."""
+
+    def __init__(self, basic, masters_by_group: list, kind: str, device: torch.device):
+        self.basic, self.kind = basic, kind
+        groups = [{"params": ps, **{k: v for k, v in g.items() if k != "params"}}
+                  for g, ps in zip(basic.param_groups, masters_by_group)]
+        mode = adam_mode(basic)
+        ds_cls = _deepspeed_cpu_adam() if kind == "deepspeed" and mode is not None else None
+        if kind == "deepspeed" and ds_cls is None:
+            raise LinsConfigError("lins.host_optimizer: \"deepspeed\" needs an Adam optimizer and DeepSpeedCPUAdam's "
+                                  "op built on this machine (deepspeed.ops.op_builder.CPUAdamBuilder); use \"torch\"")
+        if ds_cls is not None:
+            self.opt = ds_cls([{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
+                               for g in groups], adamw_mode=mode)
+            self.name = f"DeepSpeedCPUAdam ({'AdamW' if mode else 'Adam'})"
+        elif mode is not None:
+            cls = torch.optim.AdamW if mode else torch.optim.Adam
+            self.opt = cls([{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay",
+                                                                   "amsgrad")} for g in groups], fused=True)
+            self.name = f"torch {cls.__name__} (fused, CPU)"
+        else:  # another element-wise torch optimizer: its own class, stepped on CPU tensors
+            self.opt = copy.copy(basic)
+            self.opt.param_groups = groups
+            self.name = f"{type(basic).__name__} (CPU)"
+        self.opt.state = basic.state  # one state dict: checkpoints and load_checkpoint see every slice
+        self._int_step = ds_cls is not None
+
+    def hyperparameters(self) -> list:
+        """The engine optimizer's hyperparameters now, per group: taken on the training thread when the step's host
+        updates start (the LR scheduler steps right after ``step()`` returns, while they still run)."""
+        return [{k: theirs[k] for k in _HYPER if k in theirs and k in mine}
+                for mine, theirs in zip(self.opt.param_groups, self.basic.param_groups)]
+
+    def step(self, masters: list, hyper: list) -> None:
+        """One update of ``masters`` (their ``.grad`` set) with ``hyper`` (``hyperparameters()``)."""
+        for mine, values in zip(self.opt.param_groups, hyper):
+            mine.update(values)
+        for p in masters:  # a checkpoint may have been written by the other kind of optimizer
+            st = self.opt.state.get(p)
+            if st and "step" in st:
+                if self._int_step and torch.is_tensor(st["step"]):
+                    st["step"] = int(st["step"].item())
+                elif not self._int_step and not torch.is_tensor(st["step"]):
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+        if isinstance(self.opt, torch.optim.Optimizer) and type(self.opt) is type(self.basic):
+            type(self.basic).step(self.opt)  # the class's step: a scheduler may have wrapped the instance's own
+        else:
+            self.opt.step()
+
+
+def update_piece(opt: HostOptimizer, master: torch.Tensor, grad: torch.Tensor, up: Optional[torch.Tensor],
+                 scratch: torch.Tensor, coef: float, hyper: list) -> None:
+    """One host piece's update: its gradient (as it came down) to fp32 in ``scratch``, scaled by ``coef`` (the
+    loss-scale, averaging and clipping factor), the optimizer step, the master cast into ``up`` for the upload."""
+    g = scratch[:grad.numel()]
+    g.copy_(grad)
+    g.mul_(coef)
+    master.grad = g.view_as(master)
+    opt.step([master], hyper)
+    master.grad = None
+    if up is not None:
+        up.copy_(master.data)
+
+
+class HostSlice:
+    """One offloaded piece of an ``OSRange``: its pinned gradient (down), its parameter-dtype copy (up)."""
+
+    def __init__(self, master, device: torch.device):
+        self.master = master  # a MasterSlice whose param lives on the host
+        n, dtype = master.param.numel(), master.range.unit.dtype
+        self.grad = host_empty(n, master.range.unit.accum_dtype, device)
+        self.up = None if dtype == torch.float32 else host_empty(n, dtype, device)
+
+
+class HostUpdater:
+    """Runs the offloaded units' updates on a worker thread, in forward order; each unit's next use waits for its
+    own (``Unit.begin_host_update``)."""
+
+    def __init__(self, host_optimizer: HostOptimizer, slices_by_unit: list, device: torch.device):
+        self.opt, self.device = host_optimizer, device
+        self.by_unit = [(unit, [HostSlice(m, device) for m in masters]) for unit, masters in slices_by_unit]
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.coef = host_empty(1, torch.float32, device)
+        # the fp32 gradient of the piece being updated: one buffer, reused (a fresh 128 MiB per piece costs its
+        # page faults every time)
+        self._scratch = torch.empty(max((s.grad.numel() for _, ss in self.by_unit for s in ss), default=0))
+        self._thread: Optional[threading.Thread] = None
+        self._done: dict = {}
+        self._error: Optional[BaseException] = None
+        self.last_update_s = 0.0  # the worker's wall time in the last step (host updates and copies)
+        self.waited_s = 0.0  # how long the main thread has blocked on host updates, in total (exposed host work)
+
+    def units(self) -> list:
+        return [u for u, _ in self.by_unit]
+
+    def nbytes(self) -> int:
+        """Host bytes of the offloaded state: masters, their optimizer state, the gradient and parameter copies."""
+        n = 0
+        for _, slices in self.by_unit:
+            for s in slices:
+                m = s.master.param
+                n += m.nbytes + s.grad.nbytes + (s.up.nbytes if s.up is not None else 0)
+                n += sum(v.nbytes for v in self.opt.opt.state.get(m, {}).values() if torch.is_tensor(v) and v.dim())
+        return n
+
+    def download(self, coef: torch.Tensor) -> list:
+        """Launch every host slice's gradient and the clip coefficient down; one event per unit (None on CPU)."""
+        events = []
+        cs = self.copy_stream
+        if cs is not None:
+            cs.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(cs) if cs is not None else nullcontext():
+            self.coef.copy_(coef.reshape(1), non_blocking=cs is not None)
+            for unit, slices in self.by_unit:
+                for s in slices:
+                    s.grad.copy_(s.master.range.grads(), non_blocking=cs is not None)
+                if cs is not None:
+                    unit.g_acc.record_stream(cs)  # freed after the step; reused only once the copy is done
+                    ev = torch.cuda.Event()
+                    ev.record(cs)
+                    events.append(ev)
+                else:
+                    events.append(None)
+        return events
+
+    def start(self, events: list) -> None:
+        """Begin the host updates (after ``download``); each unit enters UPDATING until the worker finishes it."""
+        self._done = {id(u): threading.Event() for u, _ in self.by_unit}
+        self._error = None
+        hyper = self.opt.hyperparameters()
+        for unit, _ in self.by_unit:
+            unit.begin_host_update(self)
+        self._interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
+        self._thread = threading.Thread(target=self._run, args=(events, hyper), name="lins-host-update", daemon=True)
+        self._thread.start()
+
+    def _run(self, events: list, hyper: list) -> None:
+        t0 = time.perf_counter()
+        try:
+            ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+            with ctx, torch.no_grad():
+                for (unit, slices), ev in zip(self.by_unit, events):
+                    if ev is not None:
+                        ev.synchronize()
+                    coef = float(self.coef[0])
+                    for s in slices:
+                        self._update(s, coef, hyper)
+                    self._upload(unit, slices)
+                    self._done[id(unit)].set()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by wait()
+            self._error = e
+            for ev in self._done.values():
+                ev.set()
+        self.last_update_s = time.perf_counter() - t0
+        sys.setswitchinterval(self._interval)
+
+    def _update(self, s: HostSlice, coef: float, hyper: list) -> None:
+        update_piece(self.opt, s.master.param, s.grad, s.up, self._scratch, coef, hyper)
+
+    def _upload(self, unit, slices: list) -> None:
+        cs = self.copy_stream
+        with torch.cuda.stream(cs) if cs is not None else nullcontext():
+            for s in slices:
+                s.master.range.params().copy_(s.up if s.up is not None else s.master.param.data,
+                                              non_blocking=cs is not None)
+            if cs is not None:
+                unit.host_upload_event = torch.cuda.Event()
+                unit.host_upload_event.record(cs)
+
+    def ready(self, unit) -> bool:
+        ev = self._done.get(id(unit))
+        return ev is None or ev.is_set()
+
+    def wait(self, unit) -> None:
+        """Block until ``unit``'s update is on the device, ordered before the current stream's next work."""
+        ev = self._done.get(id(unit))
+        if ev is not None and not ev.is_set():
+            t0 = time.perf_counter()
+            while not ev.wait(1.0):
+                if self._thread is None or not self._thread.is_alive():  # died outside _run's own handler
+                    if not ev.is_set():
+                        raise RuntimeError(f"lins: the host update thread ended before updating unit {unit.name}")
+            self.waited_s += time.perf_counter() - t0
+        if self._error is not None:
+            raise RuntimeError("lins: the host optimizer's update failed") from self._error
+        up = getattr(unit, "host_upload_event", None)
+        if up is not None:
+            torch.cuda.current_stream(self.device).wait_event(up)
+            unit.host_upload_event = None
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: int = 1 << 24) -> HostSpec:
+    """This host's offload speeds, timed here: the host optimizer's update of ``elems`` fp32 elements (a unit's
+    piece) and pinned copies of a bf16 tensor of that size each way. ``kind`` "auto" tries torch's fused Adam and
+    DeepSpeedCPUAdam, and keeps DeepSpeedCPUAdam only if ``PREFER_DEEPSPEED`` times faster: its update holds the
+    GIL, which stalls the training thread's kernel launches while the forward overlaps it."""
+    kinds = ["torch", "deepspeed"] if kind == "auto" and adam_mode(basic) is not None else [kind if kind != "auto" else "torch"]
+    best = None
+    for k in kinds:
+        try:
+            rate, name = _time_update(basic, k, device, elems)
+        except LinsConfigError:
+            if kind != "auto":
+                raise
+            continue
+        if best is None or rate > best[0] * (PREFER_DEEPSPEED if k == "deepspeed" else 1.0):
+            best = (rate, name, k)
+    h2d, d2h = _time_copies(device, elems)
+    return HostSpec(capacity_gb, best[0], h2d, d2h, best[1], f"measured on {device.type}"), best[2]
+
+
+def _time_update(basic, kind: str, device: torch.device, elems: int) -> tuple:
+    p = torch.nn.Parameter(torch.zeros(elems, dtype=torch.float32))
+    probe = copy.copy(basic)
+    probe.param_groups = [{**{k: v for k, v in basic.param_groups[0].items() if k != "params"}, "params": []}]
+    probe.state = collections.defaultdict(dict)
+    opt = HostOptimizer(probe, [[p]], kind, device)
+    grad, up = host_empty(elems, torch.bfloat16, device).fill_(1e-3), host_empty(elems, torch.bfloat16, device)
+    scratch, hyper = torch.empty(elems), opt.hyperparameters()
+    update_piece(opt, p, grad, up, scratch, 1.0, hyper)  # warm-up: state allocation
+    t0 = time.perf_counter()
+    for _ in range(3):
+        update_piece(opt, p, grad, up, scratch, 1.0, hyper)
+    return 3 * elems / (time.perf_counter() - t0), opt.name
+
+
+def _time_copies(device: torch.device, elems: int) -> tuple:
+    if device.type != "cuda":
+        return 25.0, 25.0  # no copy on a CPU device: a nominal figure (offload never helps there)
+    host = host_empty(elems, torch.bfloat16, device)
+    dev = torch.empty(elems, dtype=torch.bfloat16, device=device)
+    out = []
+    for dst, src in ((dev, host), (host, dev)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        out.append(3 * elems * 2 / (time.perf_counter() - t0) / 1e9)
+    return tuple(out)

@@ -1,0 +1,344 @@
+"""Offload (docs/design.md §13): the optimizer state of the plan's last units in host memory trains exactly like
+it on the device, checkpoints cross between the two, bad values are named, a ZeRO-Offload config is read as
+Lins' offload, and the planner offloads only what a GPU budget needs."""
+
+import math
+from itertools import pairwise
+
+import pytest
+import torch
+
+import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine)
+from helpers import (GPUS_PER_NODE, STEPS, WORLD, bad_config, ckpt_config, ckpt_steps, config, max_err, param_groups,
+                     reference, run, state, tiny_llama, train)
+from lins_ds.plan import (ComputeSpec, MemorySpec, NoFeasiblePlan, PlanError, Topology, TrainingSpec, candidates, cost,
+                          get_cluster, load_model, solve)
+from lins_ds.plan.memory import memory
+from lins_ds.plan.offload import HostSpec, OffloadSpec
+from lins_ds.plan.solver import evaluate
+
+transformers = pytest.importorskip("transformers")
+
+REPLICATED = {"p": [1, 1], "g": [1, 1], "os": [1, 1]}  # s_os == s_p: host updates outlive step()
+OS_SHARDED = {"p": [1, 1], "g": [1, 1], "os": [2, 2]}  # s_os != s_p: step() waits for them, then P-syncs
+ALL_SHARDED = {"p": [2, 2], "g": [2, 2], "os": [2, 2]}
+CPU = {"os": "cpu"}
+HALF = {"os": "cpu", "os_fraction": 0.5}
+UNITS = 3  # the tiny LLaMA: the root and 2 layers
+
+
+def expected_units(offload) -> int:
+    if offload is False:
+        return 0
+    return math.ceil(offload.get("os_fraction", 1.0) * UNITS)
+
+
+def offload_facts(engine) -> dict:
+    """What an engine says of its offload (picklable)."""
+    opt, rt = engine.optimizer, engine.lins
+    host_units = list(rt.host_units)
+    return {"units": len(rt.units), "offload_units": rt.plan.offload_units, "host_units": len(host_units),
+            "host_units_are_last": host_units == rt.units[len(rt.units) - len(host_units):],
+            "has_host": opt.host is not None,
+            "host_updater_units": len(opt.host.units()) if opt.host is not None else 0,
+            "on_host_slices_in_host_units": all((s.range.unit in host_units) == s.on_host for s in opt.slices),
+            "host_gb": opt.host_gb(), "client_optimizer": type(opt.optimizer).__name__}
+
+
+# --- 1. the same trajectory with and without offload -------------------------------------------------------
+def train_runs(runs):
+    """``runs``: [(plan, offload)]: the full state dict after each step and the engine's offload facts."""
+    import deepspeed
+
+    out = []
+    for plan, offload in runs:
+        model = tiny_llama()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                          config=config({"plan": plan, "offload": offload,
+                                                         "host_optimizer": "torch"}))
+        states = train(engine, after_step=state)
+        out.append((plan, offload, states, offload_facts(engine)))
+        engine.destroy()
+    return out
+
+
+TRAJECTORY_RUNS = [(p, o) for p in (REPLICATED, OS_SHARDED, ALL_SHARDED) for o in (False, CPU)] + [(ALL_SHARDED, HALF)]
+
+
+def test_offloaded_optimizer_state_follows_the_same_trajectory():
+    ref = reference("llama")
+    results = run(train_runs, WORLD, TRAJECTORY_RUNS, gpus_per_node=GPUS_PER_NODE)
+    for rank_results in results:
+        baseline = {str(plan): states for plan, offload, states, _ in rank_results if offload is False}
+        assert len(baseline) == 3
+        for plan, offload, states, facts in rank_results:
+            name = (plan, offload)
+            assert len(states) == STEPS
+            assert facts["units"] == UNITS, name
+            assert facts["offload_units"] == facts["host_units"] == expected_units(offload), (name, facts)
+            assert facts["has_host"] == (offload is not False), (name, facts)
+            assert facts["host_updater_units"] == expected_units(offload), (name, facts)
+            assert facts["host_units_are_last"] and facts["on_host_slices_in_host_units"], (name, facts)
+            assert (facts["host_gb"] > 0) == (offload is not False), (name, facts)
+            for step, (now, base, r) in enumerate(zip(states, baseline[str(plan)], ref)):
+                assert max_err(now, base) <= 1e-6, (name, step, max_err(now, base))
+                assert max_err(now, r) <= 1e-5, (name, step, max_err(now, r))  # and the single process's
+            # the parameters moved: the comparisons above are not between two runs that did nothing
+            assert max_err(states[-1], states[0]) > 1e-4, name
+
+
+def slow_host(delay_s=0.05):
+    """This rank's host updates start ``delay_s`` late, as on a GPU where they outlast the step's return."""
+    import time
+
+    from lins_ds.runtime.offload import HostUpdater
+
+    real = HostUpdater._run
+
+    def late(self, *args):
+        time.sleep(delay_s)
+        real(self, *args)
+
+    HostUpdater._run = late
+
+
+def scheduled_runs(runs):
+    """As ``train_runs``, with an LR scheduler that changes the learning rate at every step and a slow host."""
+    import deepspeed
+
+    slow_host()
+    out = []
+    for plan, offload in runs:
+        model = tiny_llama()
+        opt = torch.optim.AdamW(param_groups(model))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 2 * s))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                          config=config({"plan": plan, "offload": offload,
+                                                         "host_optimizer": "torch"}))
+        states = train(engine, after_step=lambda e: (state(e), e.get_lr()[0]))
+        out.append((plan, offload, states, engine.lins.plan.offload_units))
+        engine.destroy()
+    return out
+
+
+def test_host_updates_use_the_learning_rate_of_their_own_step():
+    """Where host updates outlive ``step()`` (s_os == s_p), the scheduler steps before they run: they must still
+    use the hyperparameters of the step that launched them."""
+    runs = [(p, o) for p in (REPLICATED, ALL_SHARDED) for o in (False, CPU)]
+    for rank_results in run(scheduled_runs, WORLD, runs, gpus_per_node=GPUS_PER_NODE):
+        baseline = {str(plan): states for plan, offload, states, _ in rank_results if offload is False}
+        for plan, offload, states, units in rank_results:
+            assert units == expected_units(offload)
+            lrs = [lr for _, lr in states]
+            assert lrs == [lr for _, lr in baseline[str(plan)]] and len(set(lrs)) == STEPS, lrs
+            for step, ((now, _), (base, _)) in enumerate(zip(states, baseline[str(plan)])):
+                assert max_err(now, base) <= 1e-6, (plan, offload, step, max_err(now, base))
+
+
+# --- 2. checkpoints cross between offloaded and device-resident optimizer state ------------------------------
+K = 2  # steps before and after the checkpoint
+
+
+def make_engine(plan, offload):
+    import deepspeed
+
+    cfg = ckpt_config(plan, torch.distributed.get_world_size(), GPUS_PER_NODE)
+    cfg["lins"].update(offload=offload, host_optimizer="torch")
+    engine, *_ = deepspeed.initialize(model=tiny_llama(), config=cfg)
+    return engine
+
+
+def save_and_resume(ckpt_on, ckpt_off):
+    """The uninterrupted run without offload; a first half saved with offload and one saved without; each
+    resumed the other way (and one offloaded save resumed offloaded on another plan and fraction)."""
+    engine = make_engine(ALL_SHARDED, False)
+    ref = ckpt_steps(engine, 0, 2 * K)[K:]
+    engine.destroy()
+    facts = []
+    for ckpt, offload in ((ckpt_on, CPU), (ckpt_off, False)):
+        engine = make_engine(ALL_SHARDED, offload)
+        ckpt_steps(engine, 0, K)
+        engine.save_checkpoint(ckpt)  # right after step(): with offload, host updates may still be running
+        engine.destroy()
+    resumed = {}
+    for name, ckpt, plan, offload in (("offload -> none", ckpt_on, ALL_SHARDED, False),
+                                      ("none -> offload", ckpt_off, ALL_SHARDED, CPU),
+                                      ("offload -> half, other plan", ckpt_on, OS_SHARDED, HALF)):
+        engine = make_engine(plan, offload)
+        engine.load_checkpoint(ckpt)
+        facts.append((name, offload, engine.lins.plan.offload_units, engine.optimizer.host is not None,
+                      engine.global_steps))
+        resumed[name] = ckpt_steps(engine, K, K)
+        engine.destroy()
+    return ref, resumed, facts
+
+
+def test_checkpoints_cross_between_offloaded_and_resident_state(tmp_path):
+    ref, resumed, facts = run(save_and_resume, WORLD, str(tmp_path / "on"), str(tmp_path / "off"),
+                              gpus_per_node=GPUS_PER_NODE)[0]
+    for name, offload, units, has_host, gsteps in facts:
+        assert units == expected_units(offload) and has_host == (offload is not False), name
+        assert gsteps == K, name
+    assert len(resumed) == 3
+    for name, out in resumed.items():
+        assert len(out) == K
+        for (st, lr), (ref_st, ref_lr) in zip(out, ref):
+            assert max_err(st, ref_st) <= 1e-6, (name, max_err(st, ref_st))
+            assert lr == pytest.approx(ref_lr), name
+
+
+# --- 3. bad values, and 4. a ZeRO-Offload config --------------------------------------------------------
+BAD_OFFLOAD = [
+    ("yes", "lins.offload"),
+    ({"os": "disk"}, "lins.offload.os"),
+    ({"os": "cpu", "os_fraction": 0}, "lins.offload.os_fraction"),
+    ({"os": "cpu", "os_fraction": 1.5}, "lins.offload.os_fraction"),
+    ({"p": "cpu"}, "lins.offload.p"),
+    ({"g": "cpu"}, "lins.offload.g"),
+    ({"foo": 1}, "lins.offload.foo"),
+]
+NVME = {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}
+
+
+def zero_offload(**offload_optimizer) -> dict:
+    return {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu", **offload_optimizer}}}
+
+
+def bad_configs():
+    msgs = [bad_config({"plan": OS_SHARDED, "offload": value}, {}) for value, _ in BAD_OFFLOAD]
+    return msgs + [bad_config({"plan": OS_SHARDED}, NVME)]
+
+
+def test_bad_offload_values_are_named_with_their_key():
+    expected = [key for _, key in BAD_OFFLOAD] + ["zero_optimization.offload_optimizer.device"]
+    for msgs in run(bad_configs, 2, gpus_per_node=2):
+        assert len(msgs) == len(expected)
+        for msg, key in zip(msgs, expected):
+            assert msg.startswith(f"LinsConfigError: {key}: "), (key, msg)
+            assert msg.count("Error:") == 1, msg  # one error, not one wrapped in another
+
+
+def zero_offload_runs(cases):
+    """``cases``: [(lins block, the config's extra keys, whether to train)]: offload facts (and states)."""
+    import deepspeed
+
+    out = []
+    for lins, extra, trains in cases:
+        model = tiny_llama()
+        client = torch.optim.AdamW(param_groups(model))
+        try:  # a config refused is reported, not raised: no rank is killed while another still starts up
+            engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config(lins, **extra))
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{type(e).__name__}: {e}")
+            continue
+        facts = offload_facts(engine)
+        facts.update(zero_cpu_offload=engine.zero_cpu_offload(), client_kept=engine.optimizer.optimizer is client,
+                     client_type=type(engine.optimizer.optimizer), engine=type(engine).__name__)
+        facts["states"] = train(engine, after_step=state) if trains else None
+        out.append(facts)
+        engine.destroy()
+    return out
+
+
+def check_read_as_lins_offload(facts, units):
+    assert isinstance(facts, dict), facts  # else the error deepspeed.initialize raised
+    assert facts["engine"] == "LinsEngine"
+    assert facts["offload_units"] == facts["host_units"] == units and facts["has_host"], facts
+    assert facts["zero_cpu_offload"] is False  # DeepSpeed offloads nothing itself
+    assert facts["client_type"] is torch.optim.AdamW and facts["client_kept"]  # and built no CPU optimizer
+    for step, (now, r) in enumerate(zip(facts["states"], reference("llama"))):
+        assert max_err(now, r) <= 1e-5, (step, max_err(now, r))
+
+
+def test_zero_offload_config_is_read_as_lins_offload():
+    cases = [({"plan": OS_SHARDED, "host_optimizer": "torch"}, zero_offload(pin_memory=True), True),  # all units
+             ({"plan": OS_SHARDED, "offload": False}, zero_offload(), False)]  # the lins block's own key wins
+    reference("llama")  # computed here, before the fork
+    for read, overridden in run(zero_offload_runs, WORLD, cases, gpus_per_node=GPUS_PER_NODE):
+        check_read_as_lins_offload(read, UNITS)
+        assert isinstance(overridden, dict), overridden
+        assert overridden["offload_units"] == 0 and not overridden["has_host"]
+        assert overridden["zero_cpu_offload"] is False
+
+
+def test_zero_offload_ratio_is_the_offloaded_fraction():
+    cases = [({"plan": OS_SHARDED, "host_optimizer": "torch"}, zero_offload(ratio=0.5), True)]
+    reference("llama")
+    for (read,) in run(zero_offload_runs, WORLD, cases, gpus_per_node=GPUS_PER_NODE):
+        check_read_as_lins_offload(read, math.ceil(0.5 * UNITS))
+
+
+# --- 5. the planner ------------------------------------------------------------------------------------------
+TOPO = Topology(1, 1)
+MODEL = load_model("7b")
+TRAIN = TrainingSpec(seq_len=4096, micro_batch_size=2, grad_accum=2, param_dtype="bf16")
+TABLE = get_cluster("a800-ib").table(cost.required_meshes(TOPO, candidates(TOPO)))
+BIG_HOST = HostSpec(capacity_gb=10_000)
+
+
+def auto(host=BIG_HOST):
+    return OffloadSpec("auto", host=host)
+
+
+def gpu_resident_minimum() -> float:
+    """The least GPU memory any plan without offload needs: the one layout, every layer checkpointed."""
+    (layout,) = candidates(TOPO)
+    return memory(MODEL, TRAIN, MemorySpec(10_000), TOPO, layout, MODEL.num_layers).total_gb
+
+
+def test_planner_offloads_nothing_when_the_gpu_holds_everything():
+    sol = solve(MODEL, TOPO, TRAIN, MemorySpec(1000), TABLE, offload=auto())
+    assert sol.plan.offload_units == 0 and sol.best.offload_units == 0
+    assert sol.plan.host_gb == 0 and sol.best.memory.host_gb == 0
+    assert sol.best.offload_s == 0
+
+
+def test_planner_offloads_what_a_small_gpu_needs():
+    budget = gpu_resident_minimum() - 50
+    assert budget > 40  # the case is meaningful: the GPU holds the parameters, gradients, activations
+    with pytest.raises(NoFeasiblePlan):
+        solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=OffloadSpec("off"))
+    with pytest.raises(NoFeasiblePlan):
+        solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE)  # off by default
+    sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto())
+    units = len(MODEL.unit_params())
+    assert 0 < sol.plan.offload_units < units
+    assert sol.best.memory.total_gb <= budget
+    assert sol.plan.host_gb > 0 and sol.plan.host_gb == sol.best.memory.host_gb <= BIG_HOST.capacity_gb
+    assert sol.best.offload_s > 0  # offload is priced
+    # the fewest units that fit: one fewer would not (with the same layout and checkpointing)
+    fewer = evaluate(TOPO, sol.best.layout, sol.best.ckpt_units, MODEL, TRAIN, MemorySpec(budget), TABLE,
+                     ComputeSpec(), offload_units=sol.plan.offload_units - 1, offload=auto())
+    assert fewer.memory.total_gb > budget
+    # a smaller budget offloads more
+    smaller = solve(MODEL, TOPO, TRAIN, MemorySpec(budget - 15), TABLE, offload=auto())
+    assert smaller.plan.offload_units > sol.plan.offload_units
+
+
+def test_planner_names_host_memory_when_it_is_short():
+    budget = gpu_resident_minimum() - 50
+    with pytest.raises(NoFeasiblePlan) as e:
+        solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto(HostSpec(capacity_gb=5)))
+    assert "host memory" in str(e.value)
+    assert "5.00 GiB available" in str(e.value)
+
+
+def test_fixed_fraction_and_the_optimizer_term():
+    assert OffloadSpec("fixed", 0.5, host=BIG_HOST).choices(10) == [5]
+    assert OffloadSpec("fixed", 0.5, host=BIG_HOST).choices(3) == [2]  # rounded up
+    assert OffloadSpec("fixed", 0.01, host=BIG_HOST).choices(10) == [1]  # at least one
+    assert OffloadSpec("off").choices(10) == [0]
+    assert OffloadSpec("auto", host=BIG_HOST).choices(3) == [0, 1, 2, 3]
+    for bad in (0, 1.5):
+        with pytest.raises(PlanError, match="os_fraction"):
+            OffloadSpec("fixed", bad, host=BIG_HOST)
+    units = len(MODEL.unit_params())
+    sol = solve(MODEL, TOPO, TRAIN, MemorySpec(1000), TABLE, offload=OffloadSpec("fixed", 0.5, host=BIG_HOST))
+    assert sol.plan.offload_units == math.ceil(0.5 * units)  # fixed: even where nothing needs it
+    (layout,) = candidates(TOPO)
+    terms = [memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, 0, offload_units=k) for k in range(units + 1)]
+    optimizer = [t.terms["optimizer"] for t in terms]
+    host = [t.host_gb for t in terms]
+    assert all(a > b for a, b in pairwise(optimizer)), optimizer
+    assert optimizer[-1] == 0 and optimizer[0] == pytest.approx(TRAIN.optimizer_bytes * MODEL.total_params() / 2**30)
+    assert host[0] == 0 and all(a < b for a, b in pairwise(host)), host
