@@ -26,6 +26,8 @@ class ModelArguments:
     samples: int = field(default=512, metadata={"help": "training sequences to generate"})
     from_config: bool = field(default=False, metadata={"help": "build with AutoModelForCausalLM.from_config, as "
                                                                "run_clm.py does (a Lins config: built sharded)"})
+    lora_r: int = field(default=0, metadata={"help": "train PEFT LoRA adapters of this rank on q_proj and v_proj "
+                                                    "instead of the whole model (0: no LoRA)"})
 
 
 def make_text(n_lines: int, seed: int = 0) -> str:
@@ -66,6 +68,12 @@ def main():
     model_args, args = parser.parse_args_into_dataclasses()
     transformers.set_seed(args.seed)
     model = build_model(model_args)
+    if model_args.lora_r:
+        import peft
+
+        lora = peft.LoraConfig(r=model_args.lora_r, lora_alpha=2 * model_args.lora_r,
+                               target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(model, lora)
     data = ByteBlocks(make_text(model_args.samples * model_args.seq_len // 12 + 10), model_args.seq_len,
                       model_args.samples)
     trainer = Trainer(model=model, args=args, train_dataset=data)

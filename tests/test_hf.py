@@ -110,3 +110,19 @@ def test_lins_ds_run_activates_lins_for_scripts_that_do_not_import_it(tmp_path):
     script.write_text(SCRIPT)
     out = launch(torchrun(2) + ["-m", "lins_ds.run", str(script)])
     assert "ENGINE-0:LinsEngine:1" in out and "ENGINE-1:LinsEngine:1" in out
+
+
+def test_lora_under_the_trainer_on_a_sharded_build_is_lora_on_an_eager_one(tmp_path):
+    """PEFT's LoRA added by the script after the model is built sharded (from_config under a Lins TrainingArguments)
+    trains, step by step and to the saved adapter, as LoRA on the eagerly built model."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    args = ("--max_steps", "5", "--per_device_train_batch_size", "4", "--save_strategy", "no", "--lora_r", "4")
+    sharded = trainer("hf_lins.json", tmp_path / "sharded", *args, "--from_config", "true")
+    eager = trainer("hf_lins.json", tmp_path / "eager", *args)
+    assert sharded["engine"] == eager["engine"] == "LinsEngine"
+    assert max(abs(a - b) for a, b in zip(losses(sharded), losses(eager))) <= 1e-6, (losses(sharded), losses(eager))
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("sharded", "eager"))
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) <= 1e-6

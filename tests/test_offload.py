@@ -135,6 +135,35 @@ def test_host_updates_use_the_learning_rate_of_their_own_step():
                 assert max_err(now, base) <= 1e-6, (plan, offload, step, max_err(now, base))
 
 
+def int_steps_then_foreach_adam(ckpt):
+    """Saved with the host units' step counts as Python ints (as DeepSpeedCPUAdam keeps them), resumed without
+    offload by a torch AdamW on its foreach path (which accepts only float step tensors): one step runs."""
+    import deepspeed
+
+    out = []
+    for offload in (CPU, False):
+        model = tiny_llama()
+        opt = torch.optim.AdamW(param_groups(model), foreach=True)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(
+            {"plan": REPLICATED, "offload": offload, "host_optimizer": "torch"}))
+        if offload:
+            train(engine, steps=1)
+            engine.lins.wait()
+            for s in engine.optimizer.slices:
+                opt.state[s.param]["step"] = int(opt.state[s.param]["step"])  # DeepSpeedCPUAdam's kind of count
+            engine.save_checkpoint(ckpt, tag="t")
+        else:
+            engine.load_checkpoint(ckpt, tag="t")
+            train(engine, steps=1)
+            out.append(sorted({str(st["step"].dtype) for st in opt.state.values()}))
+        engine.destroy()
+    return out
+
+
+def test_integer_step_counts_resume_under_torch_adam(tmp_path):
+    assert run(int_steps_then_foreach_adam, 2, str(tmp_path))[0] == [["torch.float32"]]
+
+
 # --- 2. checkpoints cross between offloaded and device-resident optimizer state ------------------------------
 K = 2  # steps before and after the checkpoint
 

@@ -35,7 +35,10 @@ def shard_tensors(opt) -> tuple:
                     ew_keys.add(k)
         for k, v in state.items():
             if not (torch.is_tensor(v) and v.shape == sl.param.shape):
-                tensors[f"@scalars/{group_of[id(sl.param)]}/{k}"] = _cpu(torch.as_tensor(v))
+                # a step count is saved as torch keeps it (float32): DeepSpeedCPUAdam's int would reach a torch
+                # Adam on load as int64, which its foreach and fused paths reject
+                t = torch.as_tensor(float(v) if k == "step" else v, dtype=torch.float32 if k == "step" else None)
+                tensors[f"@scalars/{group_of[id(sl.param)]}/{k}"] = _cpu(t)
                 scalar_keys.add(k)
     return tensors, index, ew_keys, scalar_keys
 

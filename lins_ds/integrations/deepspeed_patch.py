@@ -65,10 +65,11 @@ def initialize(*args, **kwargs):
     deepspeed.DeepSpeedEngine = LinsEngine
     try:
         # the config read once, here, with its ZeRO-Offload keys translated, given to DeepSpeed where it came from
-        if "config_params" in bound.arguments and "config" not in bound.arguments:
+        a = bound.arguments
+        if a.get("config") is None and a.get("config_params") is not None:
             bound.arguments["config_params"] = config
         else:
-            if "config" not in bound.arguments and bound.arguments.get("args") is not None:
+            if a.get("config") is None and a.get("args") is not None:
                 bound.arguments["args"] = copy.copy(bound.arguments["args"])  # DeepSpeed takes one source only
                 for attr in ("deepspeed_config", "deepscale_config"):
                     if hasattr(bound.arguments["args"], attr):

@@ -26,7 +26,7 @@ from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import is_deferred
 from ..runtime.memory_guard import report_startup
 from ..runtime.optimizer import LinsOptimizer, check_elementwise
-from ..runtime.planning import agree_on_plan, announce, make_plan, offload_spec
+from ..runtime.planning import agree_on_plan, announce, make_plan
 from ..runtime.runtime import LinsRuntime
 from . import ds_compat
 
@@ -95,9 +95,8 @@ class LinsEngine(DeepSpeedEngine):
         check_elementwise(basic, self.lins_config.elementwise_optimizer)  # the same verdict on every rank
         self.basic_optimizer = basic
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
-        offload = offload_spec(basic, self.lins_config, torch.device(self.device))
-        plan, summary, self._lins_solve = make_plan(self, self.lins_config, self.lins_topology, param_dtype,
-                                                    accum_dtype, offload)
+        plan, summary, self._lins_solve, host_optimizer = make_plan(self, self.lins_config, self.lins_topology,
+                                                                    param_dtype, accum_dtype)
         check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested())
         announce(summary)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
@@ -109,7 +108,7 @@ class LinsEngine(DeepSpeedEngine):
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
-                                       dynamic_loss_args=self.dynamic_loss_scale_args(), host_optimizer=offload[1])
+                                       dynamic_loss_args=self.dynamic_loss_scale_args(), host_optimizer=host_optimizer)
         ds_compat.finish_optimizer_setup(self)
 
     def step(self, lr_kwargs=None):

@@ -65,6 +65,16 @@ def _deepspeed_cpu_adam():
         return None
 
 
+def _unsupported(basic, kind: str) -> str:
+    """What the host optimizer ``kind`` would silently change in ``basic``'s update ('' when nothing)."""
+    for g in basic.param_groups:
+        if g.get("bias_correction", True) is False:
+            return "bias_correction=False (torch's and DeepSpeed's CPU Adam always correct)"
+        if kind == "deepspeed" and (g.get("amsgrad") or g.get("maximize")):
+            return "amsgrad or maximize, which DeepSpeedCPUAdam ignores"
+    return ""
+
+
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov", "alpha",
           "maximize", "foreach", "lr_decay", "initial_accumulator_value", "rho", "centered", "decoupled_weight_decay")
 
@@ -76,6 +86,9 @@ class HostOptimizer:
 
     def __init__(self, basic, masters_by_group: list, kind: str, device: torch.device):
         self.basic, self.kind = basic, kind
+        why = _unsupported(basic, kind)
+        if why:
+            raise LinsConfigError(f"lins.host_optimizer: {kind!r} cannot update {type(basic).__name__} on the host: {why}")
         groups = [{"params": ps, **{k: v for k, v in g.items() if k != "params"}}
                   for g, ps in zip(basic.param_groups, masters_by_group)]
         mode = adam_mode(basic)
@@ -114,7 +127,7 @@ class HostOptimizer:
             if st and "step" in st:
                 if self._int_step and torch.is_tensor(st["step"]):
                     st["step"] = int(st["step"].item())
-                elif not self._int_step and not torch.is_tensor(st["step"]):
+                elif not self._int_step and (not torch.is_tensor(st["step"]) or st["step"].dtype != torch.float32):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         if isinstance(self.opt, torch.optim.Optimizer) and type(self.opt) is type(self.basic):
             type(self.basic).step(self.opt)  # the class's step: a scheduler may have wrapped the instance's own
@@ -157,7 +170,8 @@ class HostUpdater:
         self.coef = host_empty(1, torch.float32, device)
         # the fp32 gradient of the piece being updated: one buffer, reused (a fresh 128 MiB per piece costs its
         # page faults every time)
-        self._scratch = torch.empty(max((s.grad.numel() for _, ss in self.by_unit for s in ss), default=0))
+        self._scratch = torch.empty(max((s.grad.numel() for _, ss in self.by_unit for s in ss), default=0),
+                                    dtype=torch.float32)
         self._thread: Optional[threading.Thread] = None
         self._done: dict = {}
         self._error: Optional[BaseException] = None
@@ -185,6 +199,8 @@ class HostUpdater:
             cs.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(cs) if cs is not None else nullcontext():
             self.coef.copy_(coef.reshape(1), non_blocking=cs is not None)
+            if cs is not None:
+                coef.record_stream(cs)
             for unit, slices in self.by_unit:
                 for s in slices:
                     s.grad.copy_(s.master.range.grads(), non_blocking=cs is not None)
@@ -279,12 +295,16 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: i
     for k in kinds:
         try:
             rate, name = _time_update(basic, k, device, elems)
-        except LinsConfigError:
+        except Exception as e:  # noqa: BLE001 - an optimizer that cannot step on the CPU (a CUDA-only kernel)
             if kind != "auto":
-                raise
+                raise LinsConfigError(f"lins.host_optimizer: {k!r} cannot update {type(basic).__name__} on this "
+                                      f"host ({type(e).__name__}: {e})") from None
             continue
         if best is None or rate > best[0] * (PREFER_DEEPSPEED if k == "deepspeed" else 1.0):
             best = (rate, name, k)
+    if best is None:
+        raise LinsConfigError(f"lins.offload: no host optimizer can update {type(basic).__name__} on this host "
+                              "(torch's CPU Adam needs an Adam; another optimizer must step on CPU tensors)")
     h2d, d2h = _time_copies(device, elems)
     return HostSpec(capacity_gb, best[0], h2d, d2h, best[1], f"measured on {device.type}"), best[2]
 
@@ -296,7 +316,7 @@ def _time_update(basic, kind: str, device: torch.device, elems: int) -> tuple:
     probe.state = collections.defaultdict(dict)
     opt = HostOptimizer(probe, [[p]], kind, device)
     grad, up = host_empty(elems, torch.bfloat16, device).fill_(1e-3), host_empty(elems, torch.bfloat16, device)
-    scratch, hyper = torch.empty(elems), opt.hyperparameters()
+    scratch, hyper = torch.empty(elems, dtype=torch.float32), opt.hyperparameters()
     update_piece(opt, p, grad, up, scratch, 1.0, hyper)  # warm-up: state allocation
     t0 = time.perf_counter()
     for _ in range(3):

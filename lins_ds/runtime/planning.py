@@ -20,7 +20,7 @@ from .. import comm, dtypes
 from ..plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                     load_model, solve)
 from ..plan.offload import HostSpec, OffloadSpec
-from ..plan.solver import fewest_offloaded, evaluate
+from ..plan.solver import NoFeasiblePlan, evaluate, fewest_offloaded
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
 from ..plan.memory import ActivationProfile
@@ -185,9 +185,12 @@ def offload_spec(basic, cfg: LinsConfig, device: torch.device) -> tuple:
         return OffloadSpec(mode, fraction, HostSpec(capacity, source="assumed: a CPU device")), kind
     try:
         found, error = offload.measure(basic, cfg.host_optimizer, device, capacity), None
-    except LinsConfigError as e:
-        found, error = None, str(e)
+    except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
+        found, error = None, str(e) if isinstance(e, LinsConfigError) else f"lins.offload: {type(e).__name__}: {e}"
     error = comm.agree(error)
+    if error and mode == "auto":  # offload is only an option: train without it, and say why
+        announce(f"lins: offload off ({error})")
+        return OffloadSpec(), "torch"
     if error:
         raise LinsConfigError(error)
     host, kind = comm.broadcast_object(found)
@@ -232,6 +235,8 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
                             offload=offload)
     try:
         sol = context.solve()
+    except NoFeasiblePlan as e:
+        raise NoPlanFits(str(e)) from None
     except PlanError as e:
         raise LinsConfigError(str(e)) from None
     summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}" + _offload_note(context, sol.plan)
@@ -263,6 +268,12 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
             plan = dataclasses.replace(plan, offload_units=spec.choices(n + 1)[0])
         return plan, summary + _fixed_offload_note(plan) + f" (memory not predicted: {e})", None
     e, _ = fewest_offloaded(lambda o: context.evaluate(layout, k, o), spec.choices(len(context.model.unit_params())))
+    if spec.mode == "auto" and not e.fits_gpu:  # offload does not make this layout fit: none (the guard warns)
+        e = context.evaluate(layout, k, 0)
+    if e.memory.host_gb > e.host_capacity_gb:
+        raise LinsConfigError(f"lins.offload: the fixed plan's offloaded optimizer state needs {e.memory.host_gb:.2f} "
+                              f"GiB of host memory per rank, {e.host_capacity_gb:.2f} GiB available "
+                              "(lins.host_memory_gb / ranks per node)")
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
                                memory_profile=e.memory.activation_source, offload_units=e.offload_units,
                                host_gb=e.memory.host_gb)
@@ -278,13 +289,27 @@ def _fixed_offload_note(plan: Plan) -> str:
     return f"; optimizer state of the last {plan.offload_units} unit(s) on the host" if plan.offload_units else ""
 
 
-def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-              offload=None) -> tuple:
-    """(plan, summary, solve context or None): solved, or the fixed layout of the config. ``offload``: what
-    ``offload_spec`` returned (None: no offload)."""
-    if cfg.solve:
-        return solve_plan(engine, cfg, topo, param_dtype, accum_dtype, offload)
-    return fixed_plan(engine, cfg, topo, param_dtype, accum_dtype, offload)
+class NoPlanFits(LinsConfigError):
+    """No plan fits the GPU budget (with the offload the solver was offered)."""
+
+
+def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+    """(plan, summary, solve context or None, host optimizer kind): solved, or the fixed layout of the config.
+    ``"offload": "auto"`` offers the solver offload only where no GPU-resident plan fits (it costs time, and
+    measuring the host costs start-up time); a fixed offload is always priced."""
+    build = solve_plan if cfg.solve else fixed_plan
+    device = torch.device(engine.device)
+    if cfg.offload[0] == "auto":
+        try:
+            plan, summary, context = build(engine, cfg, topo, param_dtype, accum_dtype)
+            if cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb:
+                return plan, summary, context, "torch"
+        except NoPlanFits:
+            pass
+    offload = offload_spec(engine.basic_optimizer, cfg, device)
+    if offload[0].mode == "off" and cfg.offload[0] == "auto" and cfg.solve:
+        return (*build(engine, cfg, topo, param_dtype, accum_dtype), "torch")  # raises the GPU-only error
+    return (*build(engine, cfg, topo, param_dtype, accum_dtype, offload), offload[1])
 
 
 def agree_on_plan(plan: Plan, check_collectives: bool = False) -> bool:

@@ -253,9 +253,8 @@ class Unit:
         """Wait for the host optimizer's update of this unit (its P chunk then current on this device's stream;
         the P-sync, where there is one, is the caller's)."""
         self._expect(self.param_state, (ParamState.UPDATING,), "finish_host_update")
-        host, self._host = self._host, None
-        self.param_state = self._at_rest
-        host.wait(self)
+        self._host.wait(self)  # raises if the update failed: the unit stays UPDATING, never silently stale
+        self._host, self.param_state = None, self._at_rest
 
     def wait_param_sync(self) -> None:
         """The P chunk current: a host update waited for (and the P-sync after it run: none when s_os == s_p, the
