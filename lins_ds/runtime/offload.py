@@ -76,13 +76,13 @@ def _unsupported(basic, kind: str) -> str:
 
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov", "alpha",
-          "maximize", "foreach", "lr_decay", "initial_accumulator_value", "rho", "centered", "decoupled_weight_decay")
+          "maximize", "lr_decay", "initial_accumulator_value", "rho", "centered", "decoupled_weight_decay")
 
 
 class HostOptimizer:
-    """The offloaded slices' optimizer: the same hyperparameters as the engine's (read from its param groups at
-    every step, so LR schedulers act on both), its own CPU implementation, the engine optimizer's state dict (so
-    checkpoints see one optimizer)."""
+    """The offloaded slices' optimizer: the engine optimizer's hyperparameters (taken from its param groups as each
+    step's host updates start, so LR schedulers act on both), its own CPU implementation, the engine optimizer's
+    state dict (so checkpoints see one optimizer)."""
 
     def __init__(self, basic, masters_by_group: list, kind: str, device: torch.device):
         self.basic, self.kind = basic, kind
@@ -285,8 +285,8 @@ class HostUpdater:
             self._thread = None
 
 
-def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: int = 1 << 24) -> HostSpec:
-    """This host's offload speeds, timed here: the host optimizer's update of ``elems`` fp32 elements (a unit's
+def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: int = 1 << 24) -> tuple:
+    """(HostSpec, host optimizer kind): this host's offload speeds, timed here: the host optimizer's update of ``elems`` fp32 elements (a unit's
     piece) and pinned copies of a bf16 tensor of that size each way. ``kind`` "auto" tries torch's fused Adam and
     DeepSpeedCPUAdam, and keeps DeepSpeedCPUAdam only if ``PREFER_DEEPSPEED`` times faster: its update holds the
     GIL, which stalls the training thread's kernel launches while the forward overlaps it."""
