@@ -9,6 +9,7 @@ engine's loss-scaling and backward bookkeeping.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import math
 
@@ -25,13 +26,11 @@ def _known_elementwise() -> tuple:
     import torch.optim as O
 
     known = [O.Adam, O.AdamW, O.SGD, O.Adagrad, O.RMSprop, O.Adamax, O.NAdam, O.RAdam]
-    try:
+    with contextlib.suppress(ImportError):  # a DeepSpeed without these ops: torch's classes only
         from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
         from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
 
         known += [FusedAdam, DeepSpeedCPUAdam, FusedLion, DeepSpeedCPULion]
-    except ImportError:
-        pass
     return tuple(known)
 
 

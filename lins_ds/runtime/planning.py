@@ -298,17 +298,19 @@ def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_d
     ``"offload": "auto"`` offers the solver offload only where no GPU-resident plan fits (it costs time, and
     measuring the host costs start-up time); a fixed offload is always priced."""
     build = solve_plan if cfg.solve else fixed_plan
-    device = torch.device(engine.device)
+    gpu_only = None  # "auto": the plan without offload (a fixed one that does not fit), or why none fits
     if cfg.offload[0] == "auto":
         try:
-            plan, summary, context = build(engine, cfg, topo, param_dtype, accum_dtype)
+            plan, summary, context = gpu_only = build(engine, cfg, topo, param_dtype, accum_dtype)
             if cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb:
                 return plan, summary, context, "torch"
-        except NoPlanFits:
-            pass
-    offload = offload_spec(engine.basic_optimizer, cfg, device)
-    if offload[0].mode == "off" and cfg.offload[0] == "auto" and cfg.solve:
-        return (*build(engine, cfg, topo, param_dtype, accum_dtype), "torch")  # raises the GPU-only error
+        except NoPlanFits as e:
+            gpu_only = e
+    offload = offload_spec(engine.basic_optimizer, cfg, torch.device(engine.device))
+    if gpu_only is not None and offload[0].mode == "off":  # a CPU device, or no host optimizer runs here
+        if isinstance(gpu_only, NoPlanFits):
+            raise gpu_only
+        return (*gpu_only, "torch")
     return (*build(engine, cfg, topo, param_dtype, accum_dtype, offload), offload[1])
 
 
