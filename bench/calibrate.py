@@ -40,7 +40,8 @@ from typing import Optional
 
 import numpy as np
 
-from lins_ds.plan import ComputeSpec, Layout, MemorySpec, PlanError, ProfileTable, Topology, TrainingSpec, load_model
+from lins_ds.plan import (ComputeSpec, Layout, MemorySpec, ModelSpec, PlanError, ProfileTable, Topology, TrainingSpec,
+                          load_model)
 import warnings
 
 from .simulate import FETCH_SYSTEMS, SYSTEMS, Overheads, StepTerms, system_terms
@@ -65,11 +66,14 @@ class Run:
     over_nocomm_s: Optional[float]  # step minus the no-communication run's, where the bench ran one
     layout: Optional[Layout]  # Lins' plan
     host_s: Optional[float] = None  # the host's time per module during the run (bench/host.py); older results: None
+    ckpt_units: Optional[int] = None  # layer units checkpointed (a tuned run's plan); None: as the solver fits it
+    spec: Optional[ModelSpec] = None  # the model's shape when it has no built-in name (a tuned run's)
 
     @property
     def label(self) -> str:
         where = "1-GPU" if self.nodes * self.gpus_per_node == 1 and self.mode != "nocomm" else self.topology
-        return f"{self.model} {where} {self.mode}"
+        ckpt = f" ckpt {self.ckpt_units}" if self.ckpt_units is not None else ""
+        return f"{self.model} {where} {self.mode}{ckpt}"
 
     @property
     def config(self) -> tuple:
@@ -87,8 +91,34 @@ def _flag(command: str, name: str, default: int) -> int:
     return int(m.group(1)) if m else default
 
 
+def load_tune_runs(path: str) -> list:
+    """The candidates ``"plan": "tune"`` measured (``tune-runs.jsonl`` beside the profiles), one run each: Lins with
+    the candidate's layout and checkpointing. Candidates with optimizer state on the host are left out (the
+    simulator has no offload term), and so is a candidate measured twice (another launch) but once per line."""
+    runs = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        for r in rows:
+            plan, key = r["plan"], r["key"]
+            if plan.get("offload_units") or r.get("measured_step_s") is None:
+                continue
+            spec = ModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in key["model"].items()})
+            train, nodes = key["train"], int(key["nodes"])
+            runs.append(Run("lins", "lins-tune", spec.name, "host" if nodes == 1 else "emulated", nodes,
+                            int(key["gpus_per_node"]), int(train["seq_len"]), int(train["micro_batch_size"]),
+                            int(train["grad_accum"]), float(r["measured_step_s"]), r.get("measured_peak_gb"),
+                            r.get("predicted_peak_gb"), None, Layout.from_json(plan), None,
+                            int(plan.get("activation_checkpointing_units", 0)), spec))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanError) as e:
+        raise PlanError(f"{path}: not a tune-runs.jsonl of \"plan\": \"tune\" ({e})") from None
+    return runs
+
+
 def load_runs(path: str) -> list:
-    """The runs of a ``python -m bench run`` result."""
+    """The runs of a ``python -m bench run`` result, or of a tuned job's ``tune-runs.jsonl``."""
+    if path.endswith(".jsonl"):
+        return load_tune_runs(path)
     try:
         with open(path, encoding="utf-8") as f:
             bench = json.load(f)
@@ -120,9 +150,9 @@ def load_runs(path: str) -> list:
 def terms_of(run: Run, tables: dict, compute: ComputeSpec, host_scale: float = 1.0) -> tuple:
     """(StepTerms, MemoryBreakdown) of a run, with its topology's measured table (``tables[run.topology]``), its
     fetches priced at ``host_scale`` times the calibration host's time."""
-    model = load_model(run.model)
+    model = run.spec or load_model(run.model)
     topo = Topology(run.nodes, run.gpus_per_node)
-    train = TrainingSpec(run.seq_len, run.micro_batch, run.grad_accum)
+    train = TrainingSpec(run.seq_len, run.micro_batch, run.grad_accum, activation_checkpointing=run.ckpt_units)
     table = tables.get(run.topology if topo.world_size > 1 else "host")
     if table is None:
         raise PlanError(f"{run.label}: no profile for the {run.topology} topology (--profile / --emulated-profile)")

@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lins-checkpointing", help="override lins.activation_checkpointing: true, false or a number of units")
     p.add_argument("--lins-init", choices=["eager", "per_module"], help="override lins.init")
     p.add_argument("--lins-offload", help="override lins.offload with JSON: '\"auto\"', 'false', '{\"os\": \"cpu\"}'")
+    p.add_argument("--lins-tune", help="override lins.tune with JSON, e.g. '{\"candidates\": 4, \"steps\": 3}'")
+    p.add_argument("--lins-profile-cache", help="override lins.profile_cache (where profiles and tuning decisions live)")
     p.add_argument("--checkpointing", action="store_true",
                    help="Hugging Face gradient checkpointing on every layer (any mode; Lins keeps it as found)")
     p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
@@ -82,6 +84,10 @@ def ds_config_for(args: argparse.Namespace) -> dict:
             cfg["lins"] = {**cfg["lins"], "init": args.lins_init}
         if args.lins_offload:
             cfg["lins"] = {**cfg["lins"], "offload": json.loads(args.lins_offload)}
+        if args.lins_tune:
+            cfg["lins"] = {**cfg["lins"], "tune": json.loads(args.lins_tune)}
+        if args.lins_profile_cache:
+            cfg["lins"] = {**cfg["lins"], "profile_cache": args.lins_profile_cache}
     return emulate_nodes(cfg, args.gpus_per_node) if args.gpus_per_node else cfg
 
 
@@ -215,6 +221,7 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
         "losses": losses, "step_times_s": times,
         "plan": lins.plan.to_json() if lins is not None else None,
         "offload": offload_summary(engine, len(times)),
+        "tune": getattr(engine, "lins_tune_report", None),  # "plan": "tune": every candidate, predicted and measured
     }
 
 

@@ -161,6 +161,32 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """The decisions ``"plan": "tune"`` cached: one per job (launch, model shape, batch, dtypes, budget)."""
+    _quiet_cpu_accelerator()
+    from .runtime import tune
+
+    directory = args.dir or tune.cache_dir(argparse.Namespace(profile_cache=None))
+    found = tune.list_decisions(directory)
+    if not found:
+        print(f"no cached tuning decisions in {directory}")
+        return 0
+    for path, d in found:
+        key, plan = d.get("key", {}), d.get("plan", {})
+        train, model, budget = key.get("train", {}), key.get("model", {}), key.get("memory", {})
+        print(f"{path}  ({d.get('when', '?')})\n  job: {model.get('name', '?')} on {key.get('nodes')} node(s) x "
+              f"{key.get('gpus_per_node')} {key.get('device')}, seq {train.get('seq_len')}, micro-batch "
+              f"{train.get('micro_batch_size')}, grad-accum {train.get('grad_accum')}, "
+              f"{budget.get('capacity_gb', 0):.4g} GiB per GPU\n  decision: "
+              f"{next((r['candidate'] for r in d.get('trials', []) if r.get('chosen')), plan)}")
+        if args.forget:
+            os.remove(path)
+            print("  forgotten: the next launch of this job tunes again")
+            continue
+        print(tune.table(d.get("trials", []), (budget.get("capacity_gb") or 0) - (budget.get("reserved_gb") or 0)))
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     _quiet_cpu_accelerator()
     from .checkpoint.convert import to_universal
@@ -203,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--checkpoint-pickle", action="store_true", help="unpickle any object in the checkpoint's "
                     "client_state (runs code: only for checkpoints you trust)")
     cv.set_defaults(func=cmd_convert)
+    t = sub.add_parser("tune", help="the decisions \"plan\": \"tune\" cached (one per job), with their trials")
+    t.add_argument("--show", action="store_true", help="list them (the default)")
+    t.add_argument("--forget", action="store_true", help="delete them: the next launch of each job tunes again")
+    t.add_argument("--dir", help="the cache directory (lins.profile_cache; default ~/.cache/lins_ds/profiles)")
+    t.set_defaults(func=cmd_tune)
     return parser
 
 

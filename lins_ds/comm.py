@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -178,6 +179,14 @@ class Groups:
                 if self.rank in ranks:
                     self._pg[kind] = pg
             self.members[kind] = group_of(topo, layout, kind, self.rank)
+        # test-only: LINS_TEST_INTER_NODE_DELAY_S makes every collective whose group spans nodes wait first (gloo's
+        # "inter-node" traffic is the same loopback as intra-node; the tuner's tests need slow links to find)
+        delay = float(os.environ.get("LINS_TEST_INTER_NODE_DELAY_S", "0") or 0)
+        node = lambda r: r // topo.gpus_per_node  # noqa: E731
+        self._delay = {kind: delay for kind, ranks in self.members.items()
+                       if delay > 0 and len({node(r) for r in ranks}) > 1}
+        if delay > 0 and topo.nodes > 1:
+            self._delay["world"] = delay
 
     def size(self, kind: str) -> int:
         return len(self.members[kind])
@@ -189,6 +198,9 @@ class Groups:
         return self._pg.get(kind)
 
     def note(self, op: str, kind: str, t: torch.Tensor, tag: str) -> None:
+        """Called by every collective below just before it is issued."""
+        if self._delay.get(kind):
+            time.sleep(self._delay[kind])
         _record(op, kind, t)
         if self.issued is not None:
             self.issued.append(Issued(op, kind, tag, t.numel(), str(t.dtype).replace("torch.", "")))

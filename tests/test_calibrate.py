@@ -249,3 +249,28 @@ def test_one_gpu_runs_pay_the_hooks_only_and_are_labelled_apart(tmp_path):
     (s0, *_), (s3, t3, *_) = (C.predict(r, _tables(), CLUSTER.compute(), truth) for r in (zero0, zero3))
     assert t3.fetch_bytes == 0 and t3.exposed_s == 0
     assert s3 - s0 == pytest.approx(7e-4 * t3.fetches * 1.5)  # the hooks at a host 1.5x the reference's
+
+
+def test_a_tuned_jobs_measured_candidates_are_calibration_data():
+    """``"plan": "tune"`` appends every measured candidate to tune-runs.jsonl beside the profiles; --fit reads it:
+    Lins with the candidate's layout and checkpointing depth (offloaded candidates left out: no offload term)."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "bench/results/tune/final/cache/tune-runs.jsonl")
+    runs = C.load_runs(path)
+    assert [(r.system, r.ckpt_units, r.step_s) for r in runs] == [("lins", 18, pytest.approx(0.945, abs=5e-4)),
+                                                                    ("lins", 21, pytest.approx(0.974, abs=5e-4)),
+                                                                    ("lins", 24, pytest.approx(0.997, abs=5e-4))]
+    assert all(r.spec.hidden == 3072 and r.spec.num_layers == 24 and r.nodes * r.gpus_per_node == 1 for r in runs)
+    tables = {"host": CLUSTER.table(required_meshes(Topology(1, 1), candidates(Topology(1, 1))))}
+    compute = [C.terms_of(r, tables, CLUSTER.compute())[0].compute_s for r in runs]
+    assert compute[0] < compute[1] < compute[2]  # deeper checkpointing, more recompute
+    assert len({r.key for r in runs}) == 3
+
+
+def test_a_file_that_is_no_tune_runs_is_named(tmp_path):
+    bad = tmp_path / "tune-runs.jsonl"
+    bad.write_text('{"plan": {}}\n')
+    with pytest.raises(PlanError, match="tune-runs.jsonl: not a tune-runs.jsonl"):
+        C.load_runs(str(bad))

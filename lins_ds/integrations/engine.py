@@ -20,8 +20,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from .. import comm, dtypes
 from ..checkpoint.load import load
 from ..checkpoint.save import save
+from ..plan import Plan
 from ..plan.layout import needs_unsorted_groups
-from ..runtime import memory_guard, recompute
+from ..runtime import memory_guard, recompute, relayout, tune
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import is_deferred
 from ..runtime.memory_guard import report_startup
@@ -59,6 +60,8 @@ class LinsEngine(DeepSpeedEngine):
         object.__setattr__(self, "lins_topology", topo)
         object.__setattr__(self, "lins", None)
         object.__setattr__(self, "_lins_solve", None)
+        object.__setattr__(self, "lins_tuner", None)  # "plan": "tune", while trials run
+        object.__setattr__(self, "lins_tune_report", None)  # the trials' table once tuning is over
         # DeepSpeed must not build its CPU optimizer or offload anything itself: Lins places the state (its plan;
         # deepspeed.initialize already gave it a config without them, config.translate_zero_offload)
         config_class.zero_config.offload_optimizer = None
@@ -97,19 +100,64 @@ class LinsEngine(DeepSpeedEngine):
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
         plan, summary, self._lins_solve, host_optimizer = make_plan(self, self.lins_config, self.lins_topology,
                                                                     param_dtype, accum_dtype)
+        cands, decision = None, None
+        if self.lins_config.tuning and self._lins_solve is not None:
+            plan, summary, cands, decision = self._tune_start(plan, summary)
         check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested())
         announce(summary)
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
                                 device=torch.device(self.device), check_collectives=check,
                                 ends_window=self._reduces_this_backward, init=self.lins_config.init)
-        if self.lins_config.solve or self.lins_config.activation_checkpointing is not None:
-            recompute.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
+        self._apply_checkpointing(plan)
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
                                        dynamic_loss_args=self.dynamic_loss_scale_args(), host_optimizer=host_optimizer)
         ds_compat.finish_optimizer_setup(self)
+        if cands is not None:
+            ctx = self._lins_solve
+            self.lins_tuner = tune.Tuner(self, cands, self.lins_config.tune.steps,
+                                         ctx.mem.capacity_gb - ctx.mem.reserved_gb, decision)
+
+    def _apply_checkpointing(self, plan) -> None:
+        """The plan's activation checkpointing on the layer modules (where Lins decides it: a solved plan, or
+        lins.activation_checkpointing set)."""
+        if self.lins_config.solve or self.lins_config.activation_checkpointing is not None:
+            recompute.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
+
+    def _tune_start(self, plan, summary: str) -> tuple:
+        """(plan to start on, summary, candidates or None, (decision path, key) or None): a cached decision
+        for this job means no trials (rank 0 reads it, every rank gets it)."""
+        from ..profiler.cache import launch_key
+
+        cfg, ctx = self.lins_config, self._lins_solve
+        key = tune.decision_key(ctx, cfg, launch_key(ctx.topo, torch.device(self.device)),
+                                type(self.basic_optimizer).__name__)
+        path = tune.decision_path(key, tune.cache_dir(cfg)) if cfg.tune.cache else None
+        host = ctx.offload.host
+        cached = (tune.cached_plan(path, key, host.capacity_gb if host is not None else float("inf"))
+                  if path is not None and comm.rank() == 0 else None)
+        cached = comm.broadcast_object(cached.to_json() if cached is not None else None)
+        if cached is not None:
+            return (Plan.from_json(cached), summary + f"\n  tune: the cached decision {path} (no trials): "
+                    f"{Plan.from_json(cached).layout}", None, None)
+        cands = tune.candidates(ctx, cfg.tune.candidates)
+        if len(cands) < 2:
+            return plan, summary + "\n  tune: only one candidate fits; nothing to try", None, None
+        lines = [f"    {i}. {c.label} ({c.why}; predicted {c.predicted_step_s:.3f} s)" for i, c in enumerate(cands)]
+        summary += (f"\n  tune: {len(cands)} candidates, {cfg.tune.steps} optimizer steps each (the first untimed), "
+                    "then the fastest measured:\n" + "\n".join(lines))
+        return plan, summary, cands, (path, key) if path is not None else None
+
+    def relayout(self, plan):
+        """Move training onto ``plan`` in memory, at an accumulation boundary (after ``step()``); every rank
+        calls it. Returns a ``RelayoutReport`` (time, extra device peak, host staging); on ``RelayoutError``
+        every rank is back on the running plan."""
+        if self.micro_steps % self.gradient_accumulation_steps():
+            raise LinsConfigError("relayout: only at an accumulation boundary (after engine.step()), micro-step "
+                                  f"{self.micro_steps} is inside a window of {self.gradient_accumulation_steps()}")
+        return relayout.run(self.lins, self.optimizer, plan, on_device_change=self._apply_checkpointing)
 
     def step(self, lr_kwargs=None):
         """DeepSpeed's step; after the first optimizer step, the memory guard compares the measured peak with
@@ -118,6 +166,8 @@ class LinsEngine(DeepSpeedEngine):
         super().step(lr_kwargs=lr_kwargs)
         if before == 0 and self.global_steps == 1:
             memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device, self.optimizer.host_gb())
+        if self.lins_tuner is not None and self.global_steps != before and self.lins_tuner.after_step():
+            self.lins_tune_report, self.lins_tuner = self.lins_tuner.report, None
 
     def _broadcast_model(self):
         """DeepSpeed makes every rank start from rank 0's parameters. A model built without values (lins_ds.init,

@@ -168,6 +168,7 @@ class Solution:
     feasible: int
     elapsed_s: float
     inputs: dict = field(default_factory=dict)
+    fitting: tuple = ()  # every feasible plan found, best first (the tuner's candidates come from it)
 
 
 OBJECTIVES = ("step", "comm")
@@ -249,6 +250,13 @@ def _no_plan(smallest: Evaluation, mem: MemorySpec) -> NoFeasiblePlan:
         f"{reserve} ({_gib(lack)} GiB more than available)", smallest, mem.capacity_gb)
 
 
+def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec, table: ProfileTable) -> Plan:
+    """The plan an evaluation describes (what the runtime executes)."""
+    return Plan(topo, e.layout, e.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
+                model.name, table.source, e.comm_s, e.memory.total_gb, e.memory.allocated_gb,
+                e.memory.activation_source, model.num_layers, e.offload_units, e.memory.host_gb)
+
+
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
           compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None, objective: str = "step",
           activations: Optional[ActivationProfile] = None, offload: OffloadSpec = OffloadSpec()) -> Solution:
@@ -285,9 +293,6 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
         raise _no_plan(least_host or smallest, mem)
     best = fitting[0]
     faster = [e for e in evals if not e.fits and e.objective_s < best.objective_s]
-    plan = Plan(topo, best.layout, best.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
-                model.name, table.source, best.comm_s, best.memory.total_gb, best.memory.allocated_gb,
-                best.memory.activation_source, model.num_layers, best.offload_units, best.memory.host_gb)
-    return Solution(plan, best, fitting[1] if len(fitting) > 1 else None,
+    return Solution(plan_of(best, topo, model, train, table), best, fitting[1] if len(fitting) > 1 else None,
                     min(faster, key=Evaluation.sort_key) if faster else None,
-                    considered, len(fitting), time.perf_counter() - t0)
+                    considered, len(fitting), time.perf_counter() - t0, fitting=tuple(fitting))

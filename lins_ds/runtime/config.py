@@ -83,10 +83,10 @@ def _class_names(key, value):
 
 
 def _plan(key, value):
-    if value == "solve":
+    if value in ("solve", "tune"):
         return value
     if not isinstance(value, dict):
-        _bad(key, value, "\"solve\" or {\"p\": [intra, inter], \"g\": [...], \"os\": [...]}")
+        _bad(key, value, "\"solve\", \"tune\" or {\"p\": [intra, inter], \"g\": [...], \"os\": [...]}")
     extra, missing = set(value) - set(STATES), set(STATES) - set(value)
     if extra or missing:
         raise LinsConfigError(f"lins.plan: keys must be exactly p, g, os (unknown: {sorted(extra)}, "
@@ -97,6 +97,37 @@ def _plan(key, value):
         if not isinstance(f, (list, tuple)) or len(f) != 2 or not all(ok(x) for x in f):
             raise LinsConfigError(f"lins.plan.{s}: {f!r} is not [intra, inter], each a positive integer or \"all\"")
     return {s: tuple(value[s]) for s in STATES}
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    """``lins.tune``: how many of the solver's candidates to time, optimizer steps per candidate (the first one,
+    with its allocations, not timed), and whether the decision is cached for the next launch."""
+
+    candidates: int = 3
+    steps: int = 3
+    cache: bool = True
+
+
+TUNE_KEYS = {f.name: f.default for f in fields(TuneSpec)}
+
+
+def _tune(key, value):
+    """{"candidates": k >= 1, "steps": n >= 2, "cache": bool}, defaults filled in."""
+    if not isinstance(value, dict):
+        _bad(key, value, "{\"candidates\": 3, \"steps\": 3, \"cache\": true}")
+    unknown = sorted(set(value) - set(TUNE_KEYS))
+    if unknown:
+        raise LinsConfigError(f"lins.tune.{unknown[0]}: unknown key (known keys: {', '.join(TUNE_KEYS)})")
+    out = {**TUNE_KEYS, **value}
+    for name, low in (("candidates", 1), ("steps", 2)):
+        v = out[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            _bad(f"{key}.{name}", v, f"an integer >= {low}"
+                 + (" (the first step of each candidate is not timed)" if name == "steps" else ""))
+    if not isinstance(out["cache"], bool):
+        _bad(f"{key}.cache", out["cache"], "true or false")
+    return TuneSpec(**out)
 
 
 OFFLOAD_KEYS = ("os", "os_fraction", "p", "g")
@@ -137,8 +168,12 @@ def _rule(default, rule: Callable, doc: str, shown: Optional[str] = None):
 @dataclass(frozen=True)
 class LinsConfig:
     enabled: bool = _rule(True, _boolean, "`false` hands the config to DeepSpeed untouched")
-    plan: object = _rule("solve", _plan, "`\"solve\"`, or fixed factors `{\"p\": [intra, inter], \"g\": [...], \"os\": "
+    plan: object = _rule("solve", _plan, "`\"solve\"`, `\"tune\"` (solve, then time the best candidates on the first "
+                         "training steps and keep the fastest; see `tune`), or fixed factors `{\"p\": [intra, inter], \"g\": [...], \"os\": "
                          "[...]}`; `\"all\"` is the whole dimension (`\"os\": [\"all\", \"all\"]` is ZeRO-1's OS)")
+    tune: TuneSpec = _rule(TuneSpec(), _tune, "with `\"plan\": \"tune\"`: how many candidates, "
+                           "optimizer steps per candidate (the first untimed), and whether the decision is cached "
+                           "for the next launch", "`{\"candidates\": 3, \"steps\": 3, \"cache\": true}`")
     gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int),
                                          "GPUs per (emulated) node; must divide the world size",
                                          "the launcher's local world size")
@@ -192,7 +227,12 @@ class LinsConfig:
 
     @property
     def solve(self) -> bool:
-        return self.plan == "solve"
+        """The plan is the solver's (``"tune"`` solves too, then measures its best candidates)."""
+        return self.plan in ("solve", "tune")
+
+    @property
+    def tuning(self) -> bool:
+        return self.plan == "tune"
 
     def topology(self, world_size: int, local_world_size: int) -> Topology:
         """Nodes x GPUs per node for this launch; raises LinsConfigError on a mismatch."""

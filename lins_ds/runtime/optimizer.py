@@ -19,7 +19,7 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
 from .. import comm
 from .config import LinsConfigError
-from .offload import HostOptimizer, HostUpdater, host_empty
+from .offload import HOST_PIECE, HostOptimizer, HostUpdater, host_empty
 
 def _known_elementwise() -> tuple:
     """Optimizer classes whose update is element-wise (by identity, not name)."""
@@ -112,6 +112,39 @@ class MasterSlice:
             self.range.params().copy_(self.param.data)
 
 
+def scalar_state(value, param: torch.Tensor, group: dict):
+    """A copy of scalar optimizer state (Adam's step) for ``param``: where torch keeps it — on the parameter's
+    device for fused or capturable optimizers, on the CPU otherwise (``Optimizer.load_state_dict``'s rule)."""
+    if not torch.is_tensor(value):  # DeepSpeedCPUAdam's int step: torch's optimizers take a float32 tensor
+        value = torch.tensor(float(value), dtype=torch.float32)
+    on_device = group.get("fused") or group.get("capturable")
+    return value.to(param.device if on_device else "cpu", copy=True)
+
+
+def _moved(os_range, old: list, to_host: bool, state: dict, group: dict) -> list:
+    """New master slices of ``os_range`` (on the host in pieces, or on the device whole) holding the values and
+    optimizer state of the ``old`` slices that cover it."""
+    out = []
+    for r in (os_range.pieces(HOST_PIECE) if to_host else [os_range]):
+        m = MasterSlice(r, on_host=to_host)
+        moved: dict = {}
+        for sl in old:
+            a, b = max(sl.range.lo, r.lo), min(sl.range.hi, r.hi)
+            if a >= b:
+                continue
+            src, dst = slice(a - sl.range.lo, b - sl.range.lo), slice(a - r.lo, b - r.lo)
+            m.param.data[dst].copy_(sl.param.data[src])
+            for k, v in state.get(sl.param, {}).items():
+                if torch.is_tensor(v) and v.shape == sl.param.shape:
+                    moved.setdefault(k, torch.zeros_like(m.param.data))[dst].copy_(v[src])
+                else:
+                    moved.setdefault(k, scalar_state(v, m.param, group))
+        if moved:
+            state[m.param] = moved
+        out.append(m)
+    return out
+
+
 class LinsOptimizer(ZeROOptimizer):
     def __init__(self, basic, runtime, clip: float = 0.0, fp16: bool = False, static_loss_scale: float = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args=None, host_optimizer: str = "torch"):
@@ -125,14 +158,26 @@ class LinsOptimizer(ZeROOptimizer):
                             if fp16 else None)
         self.overflow = False
         self._global_grad_norm = None
-        self.slices: list = []
+        self._host_kind = host_optimizer
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """This rank's master slices over the runtime's current units (at start-up, and after a re-layout,
+        which then writes their values and state: ``lins_ds.runtime.relayout``). The basic optimizer keeps its
+        param groups (hyperparameters, LR schedulers); its ``params`` and state start over."""
+        runtime, basic = self.runtime, self.optimizer
+        self.slices = []
         host_units = set(runtime.host_units)
         for gi, group in enumerate(basic.param_groups):
             masters = [MasterSlice(r, r.unit in host_units) for r in runtime.os_ranges(gi)]
             self.slices.extend(masters)
             group["params"] = [m.param for m in masters]
         basic.state.clear()
-        self.host = self._host_updater(host_optimizer) if host_units else None
+        self._batches()
+
+    def _batches(self) -> None:
+        """The host updater over the slices on the host, and the update batches of the others."""
+        self.host = self._host_updater(self._host_kind) if any(s.on_host for s in self.slices) else None
         # torch's optimizers keep their state, the step count included, per parameter: stepping them one unit
         # at a time is the same update, with one unit's fp32 gradients and temporaries alive at once instead
         # of the whole OS chunk's (docs/design.md §8). Others (DeepSpeed's FusedAdam counts steps per group)
@@ -140,7 +185,61 @@ class LinsOptimizer(ZeROOptimizer):
         on_gpu = [s for s in self.slices if not s.on_host]
         units = list(dict.fromkeys(s.range.unit for s in on_gpu))
         self.update_batches = ([[s for s in on_gpu if s.range.unit is u] for u in units]
-                               if steps_per_parameter(basic) else [on_gpu] if on_gpu else [])
+                               if steps_per_parameter(self.optimizer) else [on_gpu] if on_gpu else [])
+
+    @torch.no_grad()
+    def place_units(self) -> None:
+        """After the runtime's host units changed under the same layout: each unit whose OS placement changed moves
+        (to the host first, then to the device, one unit at a time: one unit's state extra at most); the others
+        keep their masters and state untouched. Idempotent: it moves what differs from the runtime's placement."""
+        rt, state = self.runtime, self.optimizer.state
+        want = set(rt.host_units)
+        by_unit: dict = {}
+        for sl in self.slices:
+            by_unit.setdefault(sl.range.unit, []).append(sl)
+        moving = [u for u in rt.units if u in by_unit and by_unit[u][0].on_host != (u in want)]
+        self.host = None  # its pinned copies go with the slices that move
+        groups = self.optimizer.param_groups
+        for u in sorted(moving, key=lambda u: u not in want):
+            new = []
+            try:
+                for gi in dict.fromkeys(sl.range.group for sl in by_unit[u]):
+                    new += _moved(u.os_range(gi), [sl for sl in by_unit[u] if sl.range.group == gi], u in want,
+                                  state, groups[gi])
+            except BaseException:
+                for m in new:  # this unit stays where it was, its state untouched
+                    state.pop(m.param, None)
+                raise
+            for sl in by_unit[u]:
+                state.pop(sl.param, None)
+            by_unit[u] = new
+            self._adopt(by_unit)  # consistent after every unit: a failure later leaves no slice without its state
+        self._adopt(by_unit)
+        self._batches()
+
+    def _adopt(self, by_unit: dict) -> None:
+        """``by_unit``'s slices become the optimizer's (group-major, units in order)."""
+        units = self.runtime.units
+        self.slices = [sl for gi in range(len(self.optimizer.param_groups)) for u in units
+                       for sl in by_unit.get(u, []) if sl.range.group == gi]
+        for gi, group in enumerate(self.optimizer.param_groups):
+            group["params"] = [sl.param for sl in self.slices if sl.range.group == gi]
+
+    def release(self) -> None:
+        """Drop every master slice and its state (a re-layout, which staged them, builds new ones)."""
+        for group in self.optimizer.param_groups:
+            group["params"] = []
+        self.optimizer.state.clear()
+        self.slices, self.update_batches, self.host = [], [], None
+
+    def quiesce(self) -> None:
+        """Nothing in flight: host updates finished and every unit's P chunk current (before a re-layout or a
+        checkpoint reads the state)."""
+        if self.host is not None:
+            self.host.join()
+        for unit in self.runtime.units:
+            unit.wait_param_sync()
+        self.runtime.wait()
 
     def _host_updater(self, kind: str) -> HostUpdater:
         host = [s for s in self.slices if s.on_host]

@@ -153,6 +153,7 @@ class SolveContext:
     activations: Optional[ActivationProfile]
     activations_note: str = "formula"
     offload: OffloadSpec = OffloadSpec()
+    solution: object = None  # the start-up Solution (every feasible plan: the tuner's candidates)
 
     def solve(self, capacity_gb: Optional[float] = None):
         mem = self.mem if capacity_gb is None else MemorySpec(capacity_gb, self.mem.reserved_gb, self.mem.fragmentation)
@@ -242,7 +243,7 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
     summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}" + _offload_note(context, sol.plan)
     if context.model.unmodelled:
         summary += f"\n  model: {context.model.unmodelled}"
-    return sol.plan, summary, context
+    return sol.plan, summary, dataclasses.replace(context, solution=sol)
 
 
 def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,

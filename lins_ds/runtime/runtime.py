@@ -37,38 +37,77 @@ class LinsRuntime:
                  ends_window: Callable[[], bool] = lambda: True, init: str = "eager"):
         """``ends_window()``, asked once as each backward starts: does this backward end an accumulation
         window (the engine knows: its micro-step count, ``no_sync``)."""
-        self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
         self.module, self.overlap_param_sync, self._ends_window = module, overlap_param_sync, ends_window
-        self.groups = comm.Groups(self.topo, self.layout, check_order=check_collectives)
+        self._accum_dtype, self._reduce_dtype, self._unit_modules = accum_dtype, reduce_dtype, unit_modules
+        self._check_collectives = check_collectives
         self._checks = 0
-        group_of = {}
+        self._group_of = {}
         for gi, group in enumerate(param_groups):
             for p in group["params"]:
                 if p.requires_grad:  # frozen parameters stay whole on every rank, outside any unit
-                    group_of.setdefault(p, gi)
+                    self._group_of.setdefault(p, gi)
         # a model built without values (lins_ds.init, the meta device) gets them unit by unit, and the rest whole
         mat = Materializer(module, device, init=init) if is_deferred(module) else None
-        root_params, layer_entries = assign_units(module, group_of, unit_modules)
-
-        def build(name, mods, params, is_root=False):
-            return build_unit(name, mods, params, group_of, self.topo, self.layout, self.groups, accum_dtype,
-                              reduce_dtype, mat, device, is_root)
-
-        root = build("root", [], root_params, is_root=True) if root_params else None
-        layers = [build(name, mods, params) for name, mods, params in layer_entries]
+        self._build(plan, mat, device)
         if mat is not None:
             _materialise_outside_units(module, mat, device)
             init_replay.release()
-        self.units = ([root] if root is not None else []) + layers  # read-only: root first, then the layers
+            # the units' parameters replaced the meta ones: a re-layout finds them by the new objects
+            self._group_of = {s.param: s.group for u in self.units for s in u.slots}
+
+    def _build(self, plan: Plan, mat: Optional[Materializer], device: Optional[torch.device]) -> None:
+        """Groups first (every rank creates them, in one order), then the units (local: no collective)."""
+        self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
+        self.groups = comm.Groups(self.topo, self.layout, check_order=self._check_collectives)
+        root_params, layer_entries = assign_units(self.module, self._group_of, self._unit_modules)
+
+        def build(name, mods, params, is_root=False):
+            return build_unit(name, mods, params, self._group_of, self.topo, self.layout, self.groups,
+                              self._accum_dtype, self._reduce_dtype, mat, device, is_root)
+
+        self.units = []
+        root = build("root", [], root_params, is_root=True) if root_params else None
+        self.units = [root] if root is not None else []  # read-only: root first, then the layers
+        for name, mods, params in layer_entries:
+            self.units.append(build(name, mods, params))
+        layers = self.units[1:] if root is not None else self.units
         self.device = self.units[0].device if self.units else (device or torch.device("cpu"))
         self.progress = Progress()
-        self._executor = Executor(module, root, layers, reduce_dtype, self.progress)
+        self._executor = Executor(self.module, root, layers, self._reduce_dtype, self.progress)
         self.os_replicas = self.topo.world_size // self.layout.os.size
         # the plan's last offload_units units keep their OS on the host (forward order: root first)
         k = min(plan.offload_units, len(self.units))
         self.host_units = self.units[len(self.units) - k:] if k else []
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
+
+    def replan(self, plan: Plan) -> None:
+        """``plan`` differs from this one only where the units stay (checkpointing depth, which units keep their
+        OS on the host): the same units, groups and hooks; the optimizer moves what changed place."""
+        if plan.layout != self.layout or plan.topology != self.topo:
+            raise ValueError(f"replan: {plan.layout} on {plan.topology} is another layout; use relayout")
+        self.plan = plan
+        k = min(plan.offload_units, len(self.units))
+        self.host_units = self.units[len(self.units) - k:] if k else []
+
+    def relayout(self, plan: Plan) -> None:
+        """Drop this plan's units, groups and hooks and build ``plan``'s on the same module (every rank calls
+        it; the values come from the caller: ``lins_ds.runtime.relayout.run`` stages and writes them)."""
+        self._teardown()
+        self._build(plan, None, self.device)
+
+    def _teardown(self) -> None:
+        """What a plan holds, gone: hooks, groups, and every unit's buffers (parameters keep their shape, no
+        storage). Issues no collective; safe on a half-built runtime."""
+        if getattr(self, "_executor", None) is not None:
+            self.wait()
+            self._executor.remove_hooks()
+            self._executor = None
+        if not self.groups.destroyed:
+            self.groups.destroy()
+        for unit in self.units:
+            unit.free()
+        self.units, self.host_units = [], []
 
     @property
     def destroyed(self) -> bool:

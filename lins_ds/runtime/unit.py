@@ -273,6 +273,14 @@ class Unit:
         if a < b:
             self.p_shard[a - lo:b - lo].copy_(flat[a - slot.offset:b - slot.offset])
 
+    def free(self) -> None:
+        """A re-layout drops this unit: every buffer freed, each parameter left its shape over no storage (a
+        zero-stride view of one element) until the next plan's unit adopts it. Nothing may be in flight."""
+        for s in self.slots:
+            s.param.grad = None
+            s.param.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(s.shape)
+        self.full = self.p_shard = self._g_acc = self._grad_views = None
+
     # --- gradients -------------------------------------------------------------------------
     @property
     def g_acc(self) -> torch.Tensor:

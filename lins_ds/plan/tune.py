@@ -1,0 +1,116 @@
+"""Which plans ``"plan": "tune"`` times (docs/design.md §14). Pure: evaluations in, candidates out.
+
+The solver ranks every feasible plan by its cost model; the tuner measures a few of them on real training steps.
+The candidates are, in order: the solver's best; the best of every other *kind* of layout it found feasible (the
+replicated one, ZeRO-1's, ZeRO-2's, hpZ/MiCS-like partial P sharding, ZeRO-3's), since the cost model is least sure
+*between* kinds (a different collective mix, different links); then, on the best layout, the neighbours of its
+activation checkpointing depth and offload fraction (one GPU has no other kind to try). Only plans predicted to fit
+are candidates: one predicted over budget is never tried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .solver import Evaluation, compute_seconds, fewest_offloaded
+from .topology import Layout
+
+KINDS = ("replicated", "ZeRO-1-like", "ZeRO-2-like", "hpZ/MiCS-like", "ZeRO-3-like")
+
+
+def kind(layout: Layout, world_size: int) -> str:
+    """The layout in ZeRO's words: what it shards, and whether P is sharded over all ranks or a part."""
+    s_p, s_g, s_os = layout.sharding()
+    if s_os == 1:
+        return "replicated"
+    if s_g == 1:
+        return "ZeRO-1-like"
+    if s_p == 1:
+        return "ZeRO-2-like"
+    return "ZeRO-3-like" if s_p == world_size else "hpZ/MiCS-like"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    evaluation: Evaluation
+    kind: str
+    why: str  # "solver's best", "best <kind>", "checkpointing", "offload"
+    predicted_step_s: float
+
+    @property
+    def label(self) -> str:
+        e = self.evaluation
+        out = str(e.layout)
+        if e.ckpt_units:
+            out += f" ckpt {e.ckpt_units}/{e.num_layers}"
+        if e.offload_units:
+            out += f" offload {e.offload_units}/{e.num_units}"
+        return out
+
+
+def predicted_step_s(e: Evaluation, model, train, compute) -> float:
+    """The whole step the solver predicts: the window's compute (forward and backward) plus what its objective
+    adds (exposed communication, recompute, update, exposed host work)."""
+    fwd, _ = compute_seconds(model, train, compute, 0)
+    return train.grad_accum * 3 * fwd + e.exposed_s + e.recompute_s + e.optimizer_s + e.offload_s
+
+
+def _neighbour_depths(k: int, n: int) -> list:
+    """Checkpointing depths around ``k`` of ``n`` layer units (a step of about an eighth of the layers, each way),
+    and every layer: the other end of the trade against offload."""
+    d = max(1, round(n / 8))
+    return list(dict.fromkeys(x for x in (k + d, k - d, n, k + 2 * d, k - 2 * d) if 0 <= x <= n and x != k))
+
+
+def neighbours(best: Evaluation, evaluate: Callable[[int, int], Evaluation], depth_choices: list,
+               offload_choices: list) -> list:
+    """Feasible plans of the best layout along the trade between checkpointing and offload: other depths, each with
+    the fewest offloaded units that fit, and other offloads, each with the fewest checkpointed units that fit."""
+    out = []
+    for k in _neighbour_depths(best.ckpt_units, best.num_layers):
+        if k in depth_choices:
+            e, _ = fewest_offloaded(lambda o: evaluate(k, o), offload_choices)
+            out.append((e, "checkpointing"))
+    if len(offload_choices) > 1:
+        i = offload_choices.index(best.offload_units) if best.offload_units in offload_choices else 0
+        for j in (i + 1, i - 1, i + 2, i - 2):
+            if 0 <= j < len(offload_choices):
+                o = offload_choices[j]
+                fit = next((e for e in (evaluate(k, o) for k in depth_choices) if e.fits), None)
+                if fit is not None:
+                    out.append((fit, "offload"))
+    return [(e, why) for e, why in out if e.fits]
+
+
+def candidates(fitting: list, near: list, count: int, world_size: int,
+               step_of: Callable[[Evaluation], float]) -> list:
+    """Up to ``count`` candidates: the solver's best (``fitting`` is sorted best first), the best of each other kind,
+    then ``near`` (from ``neighbours``), each plan once."""
+    if not fitting:
+        return []
+    best = fitting[0]
+    picked: list = [(best, "solver's best")]
+    seen_kinds = {kind(best.layout, world_size)}
+    for e in fitting[1:]:
+        k = kind(e.layout, world_size)
+        if k not in seen_kinds:
+            seen_kinds.add(k)
+            picked.append((e, f"best {k}"))
+    for e, why in sorted(near, key=lambda ew: ew[0].sort_key()):
+        picked.append((e, why))
+    out, keys = [], set()
+    for e, why in picked:
+        key = (e.layout, e.ckpt_units, e.offload_units)
+        if key not in keys:
+            keys.add(key)
+            out.append(Candidate(e, kind(e.layout, world_size), why, step_of(e)))
+    return out[:count]
+
+
+def fastest(measured: list, budget_gb: Optional[float]) -> Optional[int]:
+    """Index of the fastest measured candidate within the budget: ``measured`` is [(step s or None, peak GiB or
+    None)]; None when no candidate was measured within it."""
+    ok = [(t, i) for i, (t, peak) in enumerate(measured)
+          if t is not None and (budget_gb is None or peak is None or peak <= budget_gb)]
+    return min(ok)[1] if ok else None

@@ -1,0 +1,258 @@
+"""``"plan": "tune"``: time the solver's best candidates on the first training steps, keep the fastest
+(docs/design.md §14).
+
+Training starts on the solver's best plan. After ``lins.tune.steps`` optimizer steps on a candidate (the first one,
+with its allocations, not timed) the engine re-lays itself in memory onto the next candidate
+(``lins_ds.runtime.relayout``) and goes on training; once each has been timed it moves to the fastest measured
+candidate whose measured peak stayed within the budget, prints the table, and caches the decision, so the next
+launch of the same job starts on the winner with no trials. Every trial step is a real training step: the
+trajectory is the one an untuned run on any of the plans follows (they are the same numbers, docs/design.md §3).
+Every decision is taken on numbers all ranks agree on (the slowest rank's time, the largest peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from deepspeed.utils import logger
+
+from .. import comm
+from ..plan import Plan
+from ..plan import tune as choose
+from ..plan.solver import plan_of
+from .relayout import RelayoutError
+
+
+@dataclass
+class Trial:
+    candidate: choose.Candidate
+    plan: Plan
+    times: list = field(default_factory=list)
+    steps: int = 0
+    measured_s: Optional[float] = None
+    peak_gb: Optional[float] = None
+    relayout_s: Optional[float] = None  # the re-layout onto this candidate (None for the first)
+    relayout_extra_gb: Optional[float] = None
+    dropped: str = ""
+
+    def row(self, chosen: bool) -> dict:
+        e = self.candidate.evaluation
+        return {"candidate": self.candidate.label, "kind": self.candidate.kind, "why": self.candidate.why,
+                "plan": self.plan.to_json(), "predicted_step_s": self.candidate.predicted_step_s,
+                "measured_step_s": self.measured_s, "step_times_s": self.times,
+                "predicted_peak_gb": e.memory.allocated_gb, "measured_peak_gb": self.peak_gb,
+                "relayout_s": self.relayout_s, "relayout_extra_gb": self.relayout_extra_gb,
+                "dropped": self.dropped, "chosen": chosen}
+
+
+# --- the candidates and the cached decision ---------------------------------------------------------------
+def candidates(context, count: int) -> list:
+    """The solver's candidates for this launch (``context``: the start-up SolveContext, with its Solution)."""
+    sol = context.solution
+    fitting = list(sol.fitting)
+    best = fitting[0]
+    depths = context.train.checkpoint_choices(context.model.num_layers)
+    offloads = context.offload.choices(len(context.model.unit_params()))
+    near = choose.neighbours(best, lambda k, o: context.evaluate(best.layout, k, o), depths, offloads)
+    return choose.candidates(fitting, near, count, context.topo.world_size,
+                             lambda e: choose.predicted_step_s(e, context.model, context.train, context.compute))
+
+
+def decision_key(context, cfg, launch: dict, optimizer: str) -> dict:
+    """What a decision depends on: the launch (as the profiler's cache key), the model's shape, the batch, the
+    dtypes and sequence length, the budget, the offload offered, the optimizer and the tuning settings."""
+    return {**launch, "model": _plain(dataclasses.asdict(context.model)), "train": _plain(dataclasses.asdict(context.train)),
+            "memory": _plain(dataclasses.asdict(context.mem)), "offload": [context.offload.mode, context.offload.fraction],
+            "objective": context.objective, "profile": cfg.profile, "optimizer": optimizer,
+            "host_memory_gb": cfg.host_memory_gb, "host_optimizer": cfg.host_optimizer, "unit_modules": list(cfg.unit_modules or ()),
+            "overlap_param_sync": cfg.overlap_param_sync, "tune": _plain(dataclasses.asdict(cfg.tune))}
+
+
+def _plain(obj):
+    return json.loads(json.dumps(obj, default=str))
+
+
+def cache_dir(cfg) -> str:
+    from ..profiler.cache import default_dir
+
+    return cfg.profile_cache or default_dir()
+
+
+def decision_path(key: dict, directory: str) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(directory, f"tune-{digest}.json")
+
+
+def cached_plan(path: str, key: dict, host_capacity_gb: float = float("inf")) -> Optional[Plan]:
+    """The cached winner for ``key``, or None (no file, another key, unreadable, or more host memory than this
+    launch has: tune again)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        plan = Plan.from_json(obj["plan"]) if obj.get("key") == key else None
+        return plan if plan is not None and plan.host_gb <= host_capacity_gb else None
+    except Exception:  # noqa: BLE001 - rank 0 alone reads it: anything unreadable means tune again, never a raise
+        return None
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def list_decisions(directory: str) -> list:
+    """[(path, decision)] of every cached decision in ``directory`` (``lins-ds tune --show``)."""
+    out = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if name.startswith("tune-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name), encoding="utf-8") as f:
+                    out.append((os.path.join(directory, name), json.load(f)))
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+# --- measuring ----------------------------------------------------------------------------------------------
+def measured_peak_gb(device: torch.device) -> Optional[float]:
+    """The allocator's peak since the last reset (None on CPUs, where nothing measures it)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class Tuner:
+    """Drives the trials from ``LinsEngine.step`` (``after_step``, every rank, after each optimizer step)."""
+
+    def __init__(self, engine, cands: list, steps: int, budget_gb: Optional[float], decision: Optional[tuple]):
+        ctx = engine._lins_solve
+        self.engine, self.steps, self.budget_gb, self.decision = engine, steps, budget_gb, decision
+        self.trials = [Trial(c, plan_of(c.evaluation, ctx.topo, ctx.model, ctx.train, ctx.table)) for c in cands]
+        self.trials[0].plan = engine.lins.plan  # the plan training started on (the solver's best)
+        self.current = 0  # the trial whose plan the engine runs now
+        self.device = engine.lins.device
+        self.report: list = []
+        _reset_peak(self.device)
+        self._last = _clock(self.device)
+
+    def after_step(self) -> bool:
+        """Count and time this optimizer step; switch or decide when a trial is done. True once tuning is over."""
+        now = _clock(self.device)
+        trial = self.trials[self.current]
+        if trial.steps > 0:
+            trial.times.append(now - self._last)
+        trial.steps += 1
+        if trial.steps < self.steps:
+            self._last = now
+            return False
+        self._finish(trial)
+        for nxt in range(self.current + 1, len(self.trials)):
+            if self._switch(nxt):
+                _reset_peak(self.device)
+                self._last = _clock(self.device)
+                return False
+        self._decide()
+        return True
+
+    def _finish(self, trial: Trial) -> None:
+        """The slowest rank's median step and the largest peak; over budget drops it (on every rank alike)."""
+        mine = statistics.median(trial.times)
+        trial.measured_s = comm.max_over_world(mine, self.device)
+        peak = measured_peak_gb(self.device)
+        peak = comm.max_over_world(-1.0 if peak is None else peak, self.device)
+        trial.peak_gb = None if peak < 0 else peak
+        if self.budget_gb is not None and trial.peak_gb is not None and trial.peak_gb > self.budget_gb:
+            trial.dropped = f"measured peak {trial.peak_gb:.2f} GiB over the budget {self.budget_gb:.2f} GiB"
+
+    def _switch(self, index: int) -> bool:
+        trial = self.trials[index]
+        try:
+            rep = self.engine.relayout(trial.plan)
+        except RelayoutError as e:  # raised on every rank alike; the engine is back on the running plan
+            trial.dropped = f"could not switch: {e}"
+            return False
+        trial.relayout_s, trial.relayout_extra_gb = rep.seconds, rep.extra_peak_gb
+        self.current = index
+        return True
+
+    def _decide(self) -> None:
+        measured = [(None if t.dropped else t.measured_s, t.peak_gb) for t in self.trials]
+        win = choose.fastest(measured, self.budget_gb)
+        if win is not None and win != self.current and not self._switch_back(win):
+            win = self.current if not self.trials[self.current].dropped else None
+        self.report = [t.row(i == win) for i, t in enumerate(self.trials)]
+        if comm.rank() == 0:
+            msg = table(self.report, self.budget_gb)
+            logger.info("\n" + msg)
+            print(msg, flush=True)
+            if self.decision is not None and win is not None:
+                self._save(win)
+
+    def _save(self, win: int) -> None:
+        """Rank 0 alone, inside a training step: a file it cannot write is a warning, never an error (the other
+        ranks are already on their way to the next collective)."""
+        path, key = self.decision
+        try:
+            _write_json(path, {"key": key, "plan": self.trials[win].plan.to_json(), "trials": self.report,
+                               "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            _append_runs(os.path.join(os.path.dirname(path), "tune-runs.jsonl"), key, self.report)
+        except OSError as e:
+            warnings.warn(f"lins tune: the decision was not cached ({e}); the next launch tunes again",
+                          RuntimeWarning, stacklevel=2)
+
+    def _switch_back(self, index: int) -> bool:
+        trial = self.trials[index]
+        try:
+            self.engine.relayout(trial.plan)
+        except RelayoutError:
+            return False
+        self.current = index
+        return True
+
+
+def _append_runs(path: str, key: dict, rows: list) -> None:
+    """Every measured candidate, one JSON line each: calibration data for the simulator."""
+    with open(path, "a", encoding="utf-8") as f:
+        for r in rows:
+            if r["measured_step_s"] is not None:
+                f.write(json.dumps({"key": key, **{k: v for k, v in r.items() if k != "step_times_s"}}) + "\n")
+
+
+def table(rows: list, budget_gb: Optional[float]) -> str:
+    def gb(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    out = [f"lins tune: {len(rows)} candidate(s), measured on the training steps"
+           + (f" (budget {budget_gb:.2f} GiB allocated)" if budget_gb is not None else ""),
+           f"  {'#':>2} {'candidate':<44} {'why':<22} {'pred s':>7} {'meas s':>7} {'pred GiB':>8} {'peak GiB':>8}"
+           f" {'switch s':>8}  result"]
+    for i, r in enumerate(rows):
+        meas = "-" if r["measured_step_s"] is None else f"{r['measured_step_s']:.3f}"
+        sw = "-" if r["relayout_s"] is None else f"{r['relayout_s']:.2f}"
+        res = "chosen" if r["chosen"] else (f"dropped: {r['dropped']}" if r["dropped"] else "")
+        out.append(f"  {i:>2} {r['candidate']:<44} {r['why']:<22} {r['predicted_step_s']:>7.3f} {meas:>7} "
+                   f"{gb(r['predicted_peak_gb']):>8} {gb(r['measured_peak_gb']):>8} {sw:>8}  {res}")
+    if not any(r["chosen"] for r in rows):
+        out.append("  no candidate was measured within the budget: training goes on on the last plan")
+    return "\n".join(out)
