@@ -1,0 +1,150 @@
+"""Compute of a training step priced from the model's shape (issue 27), not from a per-model efficiency.
+
+A micro-batch of T = micro-batch x sequence tokens runs, per decoder layer, the GEMMs of its projections (queries,
+keys, values, output; gate, up, down), causal attention, and memory-bound element-wise work (norms, rotary
+embedding, the gated activation, residual adds); then the LM head's GEMM and the cross-entropy over the vocabulary.
+Each GEMM (m x k) @ (k x n) is priced at the rate the device's compute table measured for its sizes (forward
+(T, n, k), backward (T, k, n) for the input's gradient and (k, n, T) for the weight's), attention at its measured
+rate for the sequence length and head width, the element-wise work at the measured bandwidth. A checkpointed layer
+runs its forward twice. The table comes from ``python -m lins_ds.profiler.compute`` (``lins-ds profile --compute``);
+pure Python here, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from .model import ModelSpec
+from .spec import TrainingSpec
+from .topology import PlanError
+
+FORMAT = "lins_ds.compute/1"
+# bytes moved per token by the memory-bound work of one layer's forward, in units of (hidden, intermediate, kv
+# width) elements of 2 bytes: two RMSNorms (read and write h each), rotary on queries and keys (read and write
+# h + kv), the gated activation (read 2 i, write i), two residual adds (read 2 h, write h each); the backward
+# moves about twice as much
+ELEMENTWISE_FWD = {"hidden": 2 * 2 + 2 + 2 * 3, "intermediate": 3, "kv": 2}
+BACKWARD_OVER_FORWARD = 2.0
+CROSS_ENTROPY_BYTES = 2 + 4 * 4  # per logit: the bf16 logits written, read as fp32, softmax and its gradient
+
+
+def _log2(x: float) -> float:
+    return math.log2(max(1.0, x))
+
+
+@dataclass(frozen=True)
+class ComputeTable:
+    device: str
+    gemm: tuple  # ((m, n, k, tflops), ...)
+    attention: tuple  # ((seq, head_dim, tflops), ...)
+    bandwidth_gbs: float
+    source: str = ""
+
+    @classmethod
+    def from_json(cls, obj: dict, origin: str = "compute table") -> "ComputeTable":
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+            raise PlanError(f"{origin}: not a lins_ds compute table (expected \"format\": \"{FORMAT}\")")
+        try:
+            gemm = tuple((int(g["m"]), int(g["n"]), int(g["k"]), float(g["tflops"])) for g in obj["gemm"])
+            attn = tuple((int(a["seq"]), int(a["head_dim"]), float(a["tflops"])) for a in obj["attention"])
+            return cls(str(obj["device"]), gemm, attn, float(obj["bandwidth_gbs"]), str(obj.get("source", origin)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"{origin}: malformed compute table ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def load(cls, path: str) -> "ComputeTable":
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.from_json(json.load(f), origin=path)
+        except (OSError, ValueError) as e:
+            raise PlanError(f"{path}: cannot read compute table ({e})") from None
+
+    def gemm_tflops(self, m: int, n: int, k: int) -> float:
+        """Trilinear in (log m, log n, log k) between the measured grid points around it; sizes beyond the grid take
+        its edge; corners not measured (the largest GEMMs) leave the weight to those that were."""
+        rates = {(gm, gn, gk): t for gm, gn, gk, t in self.gemm}
+        corners, total, weight = [], 0.0, 0.0
+        for axis, x in zip(zip(*rates), (m, n, k)):
+            pts = sorted(set(axis))
+            x = min(max(x, pts[0]), pts[-1])
+            hi = next(i for i, p in enumerate(pts) if p >= x)
+            lo = max(0, hi - 1) if pts[hi] > x else hi
+            f = 0.0 if lo == hi else (_log2(x) - _log2(pts[lo])) / (_log2(pts[hi]) - _log2(pts[lo]))
+            corners.append(((pts[lo], 1.0 - f), (pts[hi], f)))
+        for (a, wa) in corners[0]:
+            for (b, wb) in corners[1]:
+                for (c, wc) in corners[2]:
+                    w = wa * wb * wc
+                    if w > 0 and (a, b, c) in rates:
+                        total, weight = total + w * rates[(a, b, c)], weight + w
+        if weight > 0:
+            return total / weight
+        q = (_log2(m), _log2(n), _log2(k))
+        return min(rates.items(), key=lambda kv: sum((x - _log2(y)) ** 2 for x, y in zip(q, kv[0])))[1]
+
+    def gemm_s(self, m: int, n: int, k: int) -> float:
+        return 2.0 * m * n * k / (self.gemm_tflops(m, n, k) * 1e12)
+
+    def attention_tflops(self, seq: int, head_dim: int) -> float:
+        """Linear in log seq between measured lengths (the edge beyond), at the nearest measured head width."""
+        widths = sorted({d for _, d, _ in self.attention}, key=lambda d: abs(_log2(d) - _log2(head_dim)))
+        pts = sorted((s, t) for s, d, t in self.attention if d == widths[0])
+        if seq <= pts[0][0]:
+            return pts[0][1]
+        for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+            if seq <= s1:
+                f = (_log2(seq) - _log2(s0)) / (_log2(s1) - _log2(s0))
+                return t0 + f * (t1 - t0)
+        return pts[-1][1]
+
+
+@dataclass(frozen=True)
+class StepCompute:
+    """One step's compute, by kind (seconds, every micro-batch of the window)."""
+
+    gemm_s: float
+    attention_s: float
+    memory_s: float
+    recompute_s: float  # of the above, the checkpointed layers' second forward
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.memory_s
+
+
+def _gemms(model: ModelSpec, tokens: int) -> list:
+    """A layer's forward GEMMs (m, n, k) for ``tokens`` tokens (dense LLaMA/GPT-2 shapes; an MoE layer's active
+    experts as one MLP of their width)."""
+    h, q, kv = model.hidden, model.q_dim, model.kv_dim
+    i = model.intermediate * max(1, model.experts_per_token) + model.shared_intermediate
+    mlp = [(tokens, i, h), (tokens, i, h), (tokens, h, i)] if model.arch == "llama" else [(tokens, i, h), (tokens, h, i)]
+    return [(tokens, q, h), (tokens, kv, h), (tokens, kv, h), (tokens, h, q)] + mlp
+
+
+def _fwd_bwd(table: ComputeTable, shapes: list) -> tuple:
+    fwd = sum(table.gemm_s(m, n, k) for m, n, k in shapes)
+    bwd = sum(table.gemm_s(m, k, n) + table.gemm_s(k, n, m) for m, n, k in shapes)
+    return fwd, bwd
+
+
+def step_compute(model: ModelSpec, train: TrainingSpec, table: ComputeTable, ckpt_units: int = 0) -> StepCompute:
+    """Forward and backward of every micro-batch of one optimizer step, with ``ckpt_units`` layers recomputed."""
+    tokens = train.micro_batch_size * train.seq_len
+    head_dim = model.head_dim or model.hidden // model.heads
+    fwd, bwd = _fwd_bwd(table, _gemms(model, tokens))
+    attn_flops = 2.0 * train.micro_batch_size * model.heads * train.seq_len ** 2 * head_dim  # causal forward
+    attn_fwd = attn_flops / (table.attention_tflops(train.seq_len, head_dim) * 1e12)
+    per_token = sum(ELEMENTWISE_FWD[k] * w for k, w in (("hidden", model.hidden), ("intermediate", model.intermediate),
+                                                          ("kv", model.kv_dim)))
+    mem_fwd = 2.0 * per_token * tokens / (table.bandwidth_gbs * 1e9)
+    layer_fwd = fwd + attn_fwd + mem_fwd
+    head_fwd, head_bwd = _fwd_bwd(table, [(tokens, model.vocab, model.hidden)])
+    ce = CROSS_ENTROPY_BYTES * tokens * model.vocab / (table.bandwidth_gbs * 1e9)
+    L, k = model.num_layers, min(ckpt_units, model.num_layers)
+    gemm = L * (fwd + bwd) + k * fwd + head_fwd + head_bwd
+    attention = (L * 3 + k) * attn_fwd
+    memory = (L * (1 + BACKWARD_OVER_FORWARD) + k) * mem_fwd + ce
+    g = train.grad_accum
+    return StepCompute(g * gemm, g * attention, g * memory, g * k * layer_fwd)

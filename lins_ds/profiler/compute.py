@@ -1,0 +1,158 @@
+"""What the GPU at hand computes, measured once per device type (issue 27): the table the shape compute model prices
+a step with, cached beside the collective profiles.
+
+- **GEMMs**: achieved TFLOP/s of ``(m x k) @ (k x n)`` in the training dtype over a grid of sizes spanning a
+  transformer's projections (m: tokens of a micro-batch; n, k: hidden, intermediate and vocabulary widths), forward
+  shapes and the two backward ones alike (a table over (m, n, k), read by log-interpolation).
+- **Attention**: causal scaled-dot-product attention (the kernel ``torch.nn.functional.scaled_dot_product_attention``
+  picks: flash on H100/H200) forward and backward, TFLOP/s by sequence length and head width.
+- **Memory-bound work**: bytes/s of an element-wise kernel over a large tensor (norms, activations, residual adds,
+  rotary embeddings and the optimizer are priced by the bytes they move).
+
+Times are CUDA-event medians after warm-up; on a CPU the same code runs small sizes (tests), never a real table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+FORMAT = "lins_ds.compute/1"
+GEMM_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+ATTENTION_SEQS = (1024, 2048, 4096, 8192)
+HEAD_DIMS = (64, 128)
+
+
+def _timer(device: torch.device):
+    if device.type == "cuda":
+        def run(fn, reps: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(reps):
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return statistics.median(times)
+    else:
+        def run(fn, reps: int) -> float:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+    return run
+
+
+def gemm_table(device: torch.device, dtype: torch.dtype, sizes=GEMM_SIZES, reps: int = 5,
+               max_flops: float = 2e13) -> list:
+    """[{"m", "n", "k", "tflops"}] for every (m, n, k) of ``sizes`` whose FLOPs stay under ``max_flops``."""
+    timed = _timer(device)
+    out = []
+    for m in sizes:
+        for k in sizes:
+            for n in sizes:
+                flops = 2.0 * m * n * k
+                if flops > max_flops:
+                    continue
+                a = torch.randn(m, k, device=device, dtype=dtype)
+                b = torch.randn(k, n, device=device, dtype=dtype)
+                fn = lambda a=a, b=b: torch.matmul(a, b)  # noqa: E731
+                fn()
+                s = timed(fn, reps)
+                out.append({"m": m, "n": n, "k": k, "tflops": flops / s / 1e12})
+    return out
+
+
+def attention_table(device: torch.device, dtype: torch.dtype, seqs=ATTENTION_SEQS, head_dims=HEAD_DIMS,
+                    tokens: int = 16384, reps: int = 5) -> list:
+    """[{"seq", "head_dim", "tflops"}]: causal attention forward and backward over ``tokens`` tokens (batch x seq)
+    of a 2048-wide layer's heads, at the FLOPs MFU counts: 2 x s^2 x d per head forward (the causal half of
+    QK^T and PV), the backward twice that (flash's recompute not counted)."""
+    timed = _timer(device)
+    out = []
+    for d in head_dims:
+        heads = max(1, 2048 // d)  # a 2048-wide layer's heads
+        for s in seqs:
+            batch = max(1, tokens // s)
+            q, k, v = (torch.randn(batch, heads, s, d, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            grad = torch.randn(batch, heads, s, d, device=device, dtype=dtype)
+
+            def fn(q=q, k=k, v=v, grad=grad):
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                o.backward(grad)
+
+            fn()
+            secs = timed(fn, reps)
+            flops = 3 * 2.0 * batch * heads * s * s * d  # fwd 4sd^2/2 (causal) x 3 (fwd + 2 x bwd)
+            out.append({"seq": s, "head_dim": d, "tflops": flops / secs / 1e12})
+    return out
+
+
+def bandwidth_gbs(device: torch.device, dtype: torch.dtype, elems: int = 1 << 28, reps: int = 5) -> float:
+    """Bytes per second of ``y = x * 2 + 1`` (read one, write one) over ``elems`` elements."""
+    timed = _timer(device)
+    x = torch.randn(elems, device=device, dtype=dtype)
+    y = torch.empty_like(x)
+    fn = lambda: torch.add(x, 1.0, alpha=2.0, out=y)  # noqa: E731
+    fn()
+    s = timed(fn, reps)
+    return 2 * elems * x.element_size() / s / 1e9
+
+
+def measure(device: torch.device, dtype: torch.dtype = torch.bfloat16, quick: bool = False) -> dict:
+    """The whole table for ``device`` (``quick``: tiny sizes, for CPUs and tests)."""
+    t0 = time.perf_counter()
+    if quick:
+        gemms = gemm_table(device, dtype, sizes=(32, 64), reps=2)
+        attn = attention_table(device, dtype, seqs=(32, 64), head_dims=(16,), tokens=128, reps=2)
+        bw = bandwidth_gbs(device, dtype, elems=1 << 16, reps=2)
+    else:
+        gemms, attn, bw = gemm_table(device, dtype), attention_table(device, dtype), bandwidth_gbs(device, dtype)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"format": FORMAT, "device": name, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
+            "gemm": gemms, "attention": attn, "bandwidth_gbs": bw, "measured_s": time.perf_counter() - t0,
+            "source": f"measured on {name}"}
+
+
+def default_path(directory: str) -> str:
+    """Where ``lins-ds profile --compute`` caches this device's table (beside the collective profiles)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return os.path.join(directory, "compute-" + "".join(c if c.isalnum() else "-" for c in name).lower() + ".json")
+
+
+def save(table: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(table, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lins_ds.profiler.compute", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="where to write the compute table (JSON)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    table = measure(device, quick=args.quick or device.type != "cuda")
+    save(table, args.out)
+    rates = [g["tflops"] for g in table["gemm"]]
+    attn = ", ".join("%d: %.0f" % (a["seq"], a["tflops"]) for a in table["attention"])
+    print(f"compute table of {table['device']}: {len(rates)} GEMMs ({min(rates):.0f}-{max(rates):.0f} TFLOP/s), "
+          f"attention by seq {attn} TFLOP/s, {table['bandwidth_gbs']:.0f} GB/s; {table['measured_s']:.0f} s "
+          f"-> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""The shape compute model (lins_ds/plan/compute_model.py, issue 27): a step's compute priced from the model's shape
+with a device's measured table, and held to one-GPU runs of shapes it was not fitted on (python -m bench shapes)."""
+
+import json
+import os
+
+import pytest
+
+from lins_ds.plan import PlanError, TrainingSpec, load_model
+from lins_ds.plan.compute_model import ComputeTable, step_compute
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = os.path.join(ROOT, "bench/results/simulate/shapes")
+H200 = os.path.join(SHAPES, "call1/compute_h200.json")
+
+
+def _flat(tflops=500.0, attn=300.0, bw=4000.0) -> ComputeTable:
+    sizes = (1024, 4096, 16384)
+    return ComputeTable("test", tuple((m, n, k, tflops) for m in sizes for n in sizes for k in sizes),
+                        ((1024, 128, attn), (8192, 128, attn)), bw)
+
+
+def test_a_flat_table_prices_the_model_flops():
+    """At one rate everywhere, the GEMMs cost the model's matmul FLOPs (6 x parameters per token) at that rate."""
+    model = load_model("7b")
+    train = TrainingSpec(2048, 1, 1)
+    c = step_compute(model, train, _flat())
+    matmul = model.num_layers * model.layer_params(active=True) + model.vocab * model.hidden
+    assert c.gemm_s == pytest.approx(6 * matmul * 2048 / 500e12, rel=0.01)
+    # causal: half of the 12 x layers x hidden x seq FLOPs per token that MFU counts
+    assert c.attention_s == pytest.approx(6 * model.num_layers * model.hidden * 2048 * 2048 / 300e12, rel=1e-6)
+    assert c.recompute_s == 0 and c.memory_s > 0
+
+
+def test_checkpointed_layers_run_their_forward_again_and_micro_batches_add_up():
+    model, table = load_model("1b"), _flat()
+    one = step_compute(model, TrainingSpec(2048, 2, 1), table)
+    ckpt = step_compute(model, TrainingSpec(2048, 2, 1), table, ckpt_units=model.num_layers)
+    assert ckpt.total_s - one.total_s == pytest.approx(ckpt.recompute_s, rel=1e-9)
+    assert one.total_s < ckpt.total_s < 1.5 * one.total_s  # a forward is about a third of the layer's work
+    assert step_compute(model, TrainingSpec(2048, 2, 3), table).total_s == pytest.approx(3 * one.total_s)
+
+
+def test_the_measured_table_interpolates_and_prices_slower_shapes_higher():
+    table = ComputeTable.load(H200)
+    assert table.device == "NVIDIA H200" and table.bandwidth_gbs > 1000
+    g = {(m, n, k): t for m, n, k, t in table.gemm}
+    assert table.gemm_tflops(4096, 4096, 4096) == g[(4096, 4096, 4096)]  # a measured point: exact
+    assert table.gemm_tflops(1024, 1024, 1024) < table.gemm_tflops(8192, 8192, 8192)  # small GEMMs run slower
+    mid = table.gemm_tflops(3000, 4096, 4096)
+    assert min(g[(2048, 4096, 4096)], g[(4096, 4096, 4096)]) - 1 <= mid <= max(g[(2048, 4096, 4096)],
+                                                                             g[(4096, 4096, 4096)]) + 1
+    assert table.attention_tflops(1024, 128) < table.attention_tflops(3000, 128) < table.attention_tflops(8192, 128)
+    assert table.attention_tflops(100000, 128) == table.attention_tflops(8192, 128)  # the edge beyond
+
+
+def test_a_bad_compute_table_is_named(tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"format": "lins_ds.compute/1", "gemm": [{"m": 1}]}))
+    with pytest.raises(PlanError, match="c.json: malformed compute table"):
+        ComputeTable.load(str(bad))
+    bad.write_text("{}")
+    with pytest.raises(PlanError, match="not a lins_ds compute table"):
+        ComputeTable.load(str(bad))
+
+
+def test_the_profiler_measures_a_table_the_model_reads(tmp_path):
+    """On a CPU the profiler runs its tiny sizes: the same code and format as on a GPU."""
+    import torch
+
+    from lins_ds.profiler import compute
+
+    table = compute.measure(torch.device("cpu"), torch.float32, quick=True)
+    path = str(tmp_path / "compute.json")
+    compute.save(table, path)
+    read = ComputeTable.load(path)
+    assert read.device == "cpu" and len(read.gemm) == 8 and read.bandwidth_gbs > 0
+    assert step_compute(load_model("tiny"), TrainingSpec(64, 1, 1), read).total_s > 0
+
+
+def test_held_out_shapes_on_one_h200(capsys):
+    """The committed one-H200 grid: fitted on half the shapes, the other half predicted (Lins within 10 %)."""
+    from bench.__main__ import main
+
+    assert main(["shapes", os.path.join(SHAPES, "call1"), os.path.join(SHAPES, "call2"), "--compute", H200]) == 0
+    out = capsys.readouterr().out
+    lins = next(line for line in out.splitlines() if line.startswith("held out:"))
+    assert lins.startswith("held out: 9 of 10 runs within 10 %"), out
