@@ -46,6 +46,7 @@ import warnings
 
 from .simulate import FETCH_SYSTEMS, SYSTEMS, Overheads, StepTerms, system_terms
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_OF = {"nocomm": "zero0", "lins_as_zero3": "lins", "lins-budget": "lins"}  # bench modes -> systems
 
 
@@ -115,10 +116,31 @@ def load_tune_runs(path: str) -> list:
     return runs
 
 
+def load_train_runs(directory: str) -> list:
+    """One-GPU runs of ``bench/train.py`` (``<name>_<system>.json``: the shape grid, bench/gpu_issue27.sh): each
+    model is its ``--model`` config.json, the checkpointing its Lins run's (ZeRO-1 ran with the same flag)."""
+    from .shapes import load
+
+    runs = []
+    try:
+        for r in load([directory]):
+            spec = load_model(r["model"] if os.path.isabs(r["model"]) else os.path.join(ROOT, r["model"]))
+            spec = replace(spec, name=os.path.basename(r["model"])[:-5])
+            runs.append(Run(SYSTEM_OF.get(r["system"], r["system"]), r["system"], spec.name, "host", 1, 1, r["seq"],
+                            r["mb"], 1, r["step_s"], None, None, None,
+                            Layout.from_json(r["plan"]) if r.get("plan") else None, None, r["ckpt"], spec))
+    except (OSError, ValueError, KeyError, TypeError, PlanError) as e:
+        raise PlanError(f"{directory}: not a folder of bench/train.py results ({e})") from None
+    return runs
+
+
 def load_runs(path: str) -> list:
-    """The runs of a ``python -m bench run`` result, or of a tuned job's ``tune-runs.jsonl``."""
+    """The runs of a ``python -m bench run`` result, of a tuned job's ``tune-runs.jsonl``, or of a folder of
+    ``bench/train.py`` results."""
     if path.endswith(".jsonl"):
         return load_tune_runs(path)
+    if os.path.isdir(path):
+        return load_train_runs(path)
     try:
         with open(path, encoding="utf-8") as f:
             bench = json.load(f)
@@ -163,11 +185,20 @@ def terms_of(run: Run, tables: dict, compute: ComputeSpec, host_scale: float = 1
     return replace(found[0], host_scale=host_scale), found[3]
 
 
-def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool]) -> dict:
+def compute_key(run: Run, compute: ComputeSpec) -> str:
+    """Whose compute efficiency prices a run: its model's (compute from FLOPs at peak), or the one factor of the
+    shape model (compute from the model's shape with the device's measured table: ``compute.table``)."""
+    return "shape" if compute.table is not None else run.model
+
+
+def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool], key: str) -> dict:
     """The run's regressors: what each fitted coefficient multiplies. ``bound``: whether the run's fetches,
-    not its link, set the pace (None: not yet known, both count)."""
-    cols = {f"compute:{run.model}": terms.compute_s * efficiency,  # compute at peak: coefficient 1/efficiency
+    not its link, set the pace (None: not yet known, both count). With the shape model (``key`` "shape") each
+    system also has its host cost per layer pass."""
+    cols = {f"compute:{key}": terms.compute_s * efficiency,  # compute at peak / as measured: coefficient 1/eff.
             "update": terms.update_s}
+    if key == "shape":
+        cols[f"layer:{run.system}"] = terms.layer_passes * terms.host_scale
     if not terms.fetches or bound is not True:
         cols[f"comm:{run.system}"] = terms.exposed_s
     if terms.fetches and bound is not False:
@@ -217,12 +248,15 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
         host_s: Optional[float] = None) -> Overheads:
     """Every system's terms and every model's compute efficiency, fitted from ``runs`` (module docstring); the
     per-fetch cost at a host of ``host_s`` (default: ``reference_host(runs)``)."""
-    eff = {r.model: compute.achievable_mfu for r in runs}
+    keys = [compute_key(r, compute) for r in runs]
+    eff = {k: 1.0 if k == "shape" else compute.achievable_mfu for k in keys}
     host = Overheads({}, host_s_per_module=host_s or reference_host(runs))
     bound = [None] * len(runs)
+    table = compute.table.to_json() if compute.table is not None else None
     for _ in range(rounds):
-        terms = [terms_of(r, tables, compute.at(eff[r.model]), host.host_scale(host_of(r, tables)))[0] for r in runs]
-        cols = [_columns(r, t, eff[r.model], b) for r, t, b in zip(runs, terms, bound)]
+        terms = [terms_of(r, tables, compute.at(eff[k]), host.host_scale(host_of(r, tables)))[0]
+                 for r, k in zip(runs, keys)]
+        cols = [_columns(r, t, eff[k], b, k) for r, t, b, k in zip(runs, terms, bound, keys)]
         names = sorted({n for c in cols for n, v in c.items() if v > 0})
         a = np.array([[c.get(n, 0.0) / r.step_s for n in names] for r, c in zip(runs, cols)])
         coef = dict(zip(names, nnls(a, np.ones(len(runs)))))
@@ -230,7 +264,7 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
         if missing:
             raise PlanError(f"{missing}: the runs do not determine this model's compute efficiency")
         new = {m: 1.0 / coef[f"compute:{m}"] for m in eff}
-        ov = _overheads(coef, new, source, cluster, host.host_s_per_module)
+        ov = _overheads(coef, new, source, cluster, host.host_s_per_module, table)
         new_bound = [t.fetch_bound(ov.terms(r.system)) if t.fetches else None for r, t in zip(runs, terms)]
         settled = max(abs(new[m] - eff[m]) for m in eff) < 1e-4 and new_bound == bound
         eff, bound = new, new_bound
@@ -242,24 +276,31 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
     return ov
 
 
-def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: Optional[float]) -> Overheads:
+def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: Optional[float],
+               compute_table: Optional[dict] = None) -> Overheads:
     """Per-system terms from the fitted coefficients, for every system (the shared ones apply to a system with no
     run too); a term no run determined keeps its default."""
     out = {}
     for s in SYSTEMS:
         terms = {"comm_factor": coef.get(f"comm:{s}"), "update_factor": coef.get("update"),
                  "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None,
-                 "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None}
+                 "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None,
+                 "per_layer_s": coef.get(f"layer:{s}")}
         out[s] = {t: float(v) for t, v in terms.items() if v is not None}
-    return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster, host_s)
+    return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster, host_s, compute_table)
 
 
 def predict(run: Run, tables: dict, compute: ComputeSpec, overheads: Overheads) -> tuple:
     """(predicted step, StepTerms, MemoryBreakdown, efficiency) of a run under fitted terms."""
-    if run.model not in overheads.compute:
+    if overheads.shape_model:  # any model: its compute from its shape, at the one fitted factor
+        compute = overheads.compute_spec(compute)
+        efficiency = compute.achievable_mfu
+    elif run.model not in overheads.compute:
         raise PlanError(f"{run.label}: the calibration has no compute efficiency for model {run.model!r} "
-                        f"(it has {sorted(overheads.compute)}); fit with a run of it")
-    efficiency = overheads.compute[run.model]
+                        f"(it has {sorted(overheads.compute)}); fit with a run of it, or fit the shape model "
+                        f"(--compute-table)")
+    else:
+        efficiency = overheads.compute[run.model]
     terms, breakdown = terms_of(run, tables, compute.at(efficiency), overheads.host_scale(host_of(run, tables)))
     return terms.step(overheads.terms(run.system)), terms, breakdown, efficiency
 
@@ -294,7 +335,8 @@ def validate(runs: list, tables: dict, compute: ComputeSpec, overheads: Overhead
             if r.key not in left_out:
                 left_out[r.key] = _fit_without(r.key, runs, tables, compute, overheads.host_s_per_module)
             others = left_out[r.key]
-            loo = predict(r, tables, compute, others)[0] if others and r.model in others.compute else None
+            known = others and (others.shape_model or r.model in others.compute)
+            loo = predict(r, tables, compute, others)[0] if known else None
             row["loo_predicted_step_s"] = loo
             row["loo_error_pct"] = 100 * (loo / r.step_s - 1) if loo is not None else None
     return rows
@@ -360,10 +402,15 @@ def table_text(rows: list) -> str:
 
 def terms_text(overheads: Overheads) -> str:
     host = overheads.host_s_per_module
-    out = ["compute efficiency: " + ", ".join(f"{m} {e:.3f}" for m, e in sorted(overheads.compute.items())),
+    shape = overheads.shape_model
+    model = (f"compute from each model's shape with the {overheads.compute_table.get('device')} table "
+             f"({overheads.compute_table.get('source')}) at a factor of {overheads.compute['shape']:.3f}" if shape
+             else "compute efficiency: " + ", ".join(f"{m} {e:.3f}" for m, e in sorted(overheads.compute.items())))
+    out = [model,
            "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (bench/host.py; scaled by each "
                                              "run's own)" if host else "unmeasured speed (no run measured its host)"),
-           f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"]
+           f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"
+           + (f"{'per_layer_ms':>13}" if shape else "")]
     defaulted = False
     for s, fitted in overheads.systems.items():
         t = overheads.terms(s)
@@ -373,7 +420,7 @@ def terms_text(overheads: Overheads) -> str:
         out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['update_factor']:>13.3f}"
                    f"{mark['update_factor']}{1e3 * t['per_fetch_s']:>12.3f}{mark['per_fetch_s']}"
                    + (f"{1e-9 / t['per_fetch_byte_s']:>10.0f}" if t["per_fetch_byte_s"] else f"{'-':>10}")
-                   + mark["per_fetch_byte_s"])
+                   + mark["per_fetch_byte_s"] + (f"{1e3 * t['per_layer_s']:>12.3f}" if shape else ""))
     if defaulted:
         out.append("* not determined by these runs (the system has none, or all on the other branch): the default")
     return "\n".join(out)

@@ -42,7 +42,7 @@ def load(dirs: list) -> list:
             name, system = os.path.basename(path)[:-5].rsplit("_", 1)
             runs.append({"name": name, "system": system, "model": r["model"], "seq": r["seq_len"],
                          "mb": r["samples_per_gpu_per_step"], "step_s": r["median_step_s"], "dir": d,
-                         "ckpt": (r.get("plan") or {}).get("activation_checkpointing_units")})
+                         "ckpt": (r.get("plan") or {}).get("activation_checkpointing_units"), "plan": r.get("plan")})
     ckpt = {(r["model"], r["seq"], r["mb"]): r["ckpt"] for r in runs if r["ckpt"] is not None}
     for r in runs:  # the ZeRO-1 run of a shape checkpoints as its Lins run does (bench/train.py --checkpointing)
         r["ckpt"] = ckpt.get((r["model"], r["seq"], r["mb"]), 0) if r["ckpt"] is None else r["ckpt"]

@@ -133,6 +133,19 @@ class Overheads:
     source: str = ""
     cluster: str = ""  # the compute model (cluster name) the efficiencies are fractions of
     host_s_per_module: Optional[float] = None  # the host speed (bench/host.py) at which per_fetch_s holds
+    compute_table: Optional[dict] = None  # the shape model's device table (its JSON): ``compute["shape"]`` scales it
+
+    @property
+    def shape_model(self) -> bool:
+        return self.compute_table is not None
+
+    def compute_spec(self, base: ComputeSpec) -> ComputeSpec:
+        """``base`` with this calibration's compute model: the shape model at its fitted factor, where it has one."""
+        if self.compute_table is None:
+            return base
+        from lins_ds.plan.compute_model import ComputeTable
+
+        return replace(base, table=ComputeTable.from_json(self.compute_table), achievable_mfu=self.compute["shape"])
 
     def terms(self, system: str) -> dict:
         return {**DEFAULT_TERMS, **self.systems.get(system, {})}
@@ -146,17 +159,19 @@ class Overheads:
 
     def to_json(self) -> dict:
         return {"systems": self.systems, "compute_efficiency": self.compute, "source": self.source,
-                "cluster": self.cluster, "host_s_per_module": self.host_s_per_module}
+                "cluster": self.cluster, "host_s_per_module": self.host_s_per_module,
+                "compute_table": self.compute_table}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Overheads":
         host = obj.get("host_s_per_module")
         return cls({k: {t: float(d[t]) for t in DEFAULT_TERMS if t in d} for k, d in obj["systems"].items()},
                    {m: float(e) for m, e in obj.get("compute_efficiency", {}).items()}, str(obj.get("source", "")),
-                   str(obj.get("cluster", "")), float(host) if host else None)
+                   str(obj.get("cluster", "")), float(host) if host else None, obj.get("compute_table"))
 
 
-DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0, "per_fetch_byte_s": 0.0}
+DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0, "per_fetch_byte_s": 0.0,
+                 "per_layer_s": 0.0}
 NO_OVERHEADS = Overheads({}, {}, "none")
 
 
@@ -178,6 +193,7 @@ class StepTerms:
     fetches: int
     fetch_bytes: float = 0.0  # the parameter bytes the module fetches assemble (each module whole, fwd and bwd)
     host_scale: float = 1.0  # this host's time per module over the calibration host's (Overheads.host_scale)
+    layer_passes: int = 0  # layer forwards, backwards and recomputes per step: each launches kernels and runs hooks
 
     def waits(self, ov: dict) -> tuple:
         """(link, fetch): the exposed communication, and the fetches' own cost under ``ov``: their hooks and
@@ -194,7 +210,8 @@ class StepTerms:
         """Compute + update + the slower of the link and the fetches: a DeepSpeed fetch waits for its gather, and
         its hooks run while the prefetched gathers are in flight, so on a fast link (NVLink) the fetches' CPU
         cost is what is left exposed and on a slow one (sockets, a network) the transfers."""
-        return self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
+        return (self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
+                + ov["per_layer_s"] * self.layer_passes * self.host_scale)
 
 
 def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,
@@ -211,7 +228,8 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
     # speed, priced as nothing); the hooks still run
     gathers = any(c.state == "p" and c.op == "all_gather" and c.mesh.size > 1 for c in colls)
     return StepTerms(train.grad_accum * (fwd + bwd), optimizer_seconds(model, train, s_os, compute), exposed, total,
-                     n, 2.0 * train.grad_accum * model.total_params() * train.param_bytes if n and gathers else 0.0)
+                     n, 2.0 * train.grad_accum * model.total_params() * train.param_bytes if n and gathers else 0.0,
+                     layer_passes=train.grad_accum * (2 * model.num_layers + min(ckpt_units, model.num_layers)))
 
 
 def _baseline_memory(system: str, model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec) -> tuple:
@@ -243,6 +261,9 @@ def system_terms(system: str, model: ModelSpec, topo: Topology, train: TrainingS
         return terms, best.layout, best.ckpt_units, best.memory
     layout = equivalent_layout(system, topo)
     ckpt, breakdown = _baseline_memory(system, model, topo, train, mem)
+    given = train.activation_checkpointing
+    if isinstance(given, int) and not isinstance(given, bool):  # a run that checkpointed (bench/train.py --checkpointing)
+        ckpt, breakdown = given, memory(model, train, mem, topo, layout, given)
     colls = cost.timed(baseline_schedule(system, topo, model, train), table)
     return step_terms(system, colls, model, train, compute, ckpt, layout.os.size), layout, ckpt, breakdown
 

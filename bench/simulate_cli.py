@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from lins_ds import plan as P
 from lins_ds.plan import cost
@@ -46,6 +47,9 @@ def add_arguments(si) -> None:
                     "bench results, print predicted next to measured (with leave-one-out) and write --out")
     si.add_argument("--validate", nargs="+", metavar="BENCH_JSON", help="predicted next to measured step, "
                     "communication and peak memory for the runs in these bench results, with the fitted terms")
+    si.add_argument("--compute-table", help="with --fit: price compute from each model's shape with this device's "
+                    "measured table (lins-ds profile --compute; bench/compute_tables/), one factor for every model, "
+                    "instead of one efficiency per model")
     si.add_argument("--out", help="with --fit: where to write the profile with the fitted terms")
     si.add_argument("--systems", default="zero1,zero2,zero3,zeropp,mics,lins")
     si.add_argument("--efficiency", type=float, help="compute efficiency; default: calibrated (see output)")
@@ -141,6 +145,10 @@ def run_fit(args) -> int:
     if args.fit:
         cluster = args.cluster or "h200-emulated"
         compute = P.get_cluster(cluster).compute()
+        if args.compute_table:
+            from lins_ds.plan.compute_model import ComputeTable
+
+            compute = replace(compute, table=ComputeTable.load(args.compute_table), achievable_mfu=1.0)
         overheads = fitting.fit(runs, tables, compute, source=", ".join(args.fit), cluster=cluster)
         rows = fitting.validate(runs, tables, compute, overheads, leave_one_out=True)
         fitting.write_calibrated_profile(args.profile, args.out, overheads, rows)

@@ -274,3 +274,28 @@ def test_a_file_that_is_no_tune_runs_is_named(tmp_path):
     bad.write_text('{"plan": {}}\n')
     with pytest.raises(PlanError, match="tune-runs.jsonl: not a tune-runs.jsonl"):
         C.load_runs(str(bad))
+
+
+def test_the_shape_model_fits_one_factor_for_every_model_and_prices_a_model_it_never_saw():
+    """--fit --compute-table: compute from each model's shape with the device's measured table, one factor and a
+    host cost per layer pass per system, fitted on the one-H200 shape grid; a 2.9B model of another depth, sequence
+    and batch (a tuned job's runs) is then predicted without any run of it."""
+    import os
+    from dataclasses import replace as with_
+
+    from lins_ds.plan.compute_model import ComputeTable
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shapes = os.path.join(root, "bench/results/simulate/shapes")
+    runs = C.load_runs(os.path.join(shapes, "call1")) + C.load_runs(os.path.join(shapes, "call2"))
+    assert len(runs) == 20 and {r.system for r in runs} == {"zero1", "lins"}
+    assert {r.ckpt_units for r in runs if r.model == "shape-h2560-l8"} == {8}  # ZeRO-1 checkpointed as Lins did
+    tables = {"host": CLUSTER.table(required_meshes(Topology(1, 1), candidates(Topology(1, 1))))}
+    table = ComputeTable.load(os.path.join(shapes, "call1/compute_h200.json"))
+    compute = with_(CLUSTER.compute(), table=table, achievable_mfu=1.0)
+    ov = C.fit(runs, tables, compute)
+    assert ov.shape_model and set(ov.compute) == {"shape"} and ov.terms("lins")["per_layer_s"] > 0
+    ov = C.Overheads.from_json(json.loads(json.dumps(ov.to_json())))  # stored with the profile, read back
+    unseen = C.load_runs(os.path.join(root, "bench/results/tune/final/cache/tune-runs.jsonl"))
+    errors = [C.predict(r, tables, CLUSTER.compute(), ov)[0] / r.step_s - 1 for r in unseen]
+    assert all(abs(e) < 0.25 for e in errors), errors

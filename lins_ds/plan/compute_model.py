@@ -53,6 +53,11 @@ class ComputeTable:
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{origin}: malformed compute table ({type(e).__name__}: {e})") from None
 
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "device": self.device, "bandwidth_gbs": self.bandwidth_gbs, "source": self.source,
+                "gemm": [{"m": m, "n": n, "k": k, "tflops": t} for m, n, k, t in self.gemm],
+                "attention": [{"seq": s, "head_dim": d, "tflops": t} for s, d, t in self.attention]}
+
     @classmethod
     def load(cls, path: str) -> "ComputeTable":
         try:
@@ -108,6 +113,7 @@ class StepCompute:
     attention_s: float
     memory_s: float
     recompute_s: float  # of the above, the checkpointed layers' second forward
+    forward_s: float = 0.0  # of the above, the forward of one micro-batch (the executor's overlap needs it)
 
     @property
     def total_s(self) -> float:
@@ -147,4 +153,5 @@ def step_compute(model: ModelSpec, train: TrainingSpec, table: ComputeTable, ckp
     attention = (L * 3 + k) * attn_fwd
     memory = (L * (1 + BACKWARD_OVER_FORWARD) + k) * mem_fwd + ce
     g = train.grad_accum
-    return StepCompute(g * gemm, g * attention, g * memory, g * k * layer_fwd)
+    forward = L * layer_fwd + head_fwd + ce / (1 + BACKWARD_OVER_FORWARD)
+    return StepCompute(g * gemm, g * attention, g * memory, g * k * layer_fwd, forward)
