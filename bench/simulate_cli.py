@@ -70,6 +70,8 @@ def run(args) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise P.PlanError(f"--systems: {unknown} not among {SYSTEMS}")
+    if overheads.shape_model and not args.efficiency:
+        return _simulate(args, model, systems, overheads, *_shape_compute(args, overheads, terms_from))
     fitted_eff = model.name in overheads.compute and args.profile and not args.efficiency
     if fitted_eff and args.cluster and overheads.cluster and args.cluster != overheads.cluster:
         raise P.PlanError(f"--cluster {args.cluster}: the fitted efficiency of {model.name} ({terms_from}) is a fraction "
@@ -109,6 +111,10 @@ def run(args) -> int:
         res = simulate(model, topo, train, mem, table_for(topo), compute, systems, overheads)
         out["runs"].append({"nodes": m, "gpus": topo.world_size, "micro_batches": train.grad_accum,
                             "systems": {k: v.to_json() for k, v in res.items()}})
+    return _report(args, out, note, systems, model)
+
+
+def _report(args, out: dict, note: str, systems: list, model) -> int:
     if args.format == "json":
         last = out["runs"][-1]
         print(json.dumps({"systems": last["systems"], "calibration": note, "sweep": out["runs"]}, indent=1))
@@ -128,6 +134,46 @@ def run(args) -> int:
     if args.plot:
         _plot_sweep(out["runs"], systems, args.plot, model.name)
     return 0
+
+
+def _shape_compute(args, overheads, terms_from: str) -> tuple:
+    """(cluster, compute, note) of a calibration fitted with the shape model: its own cluster and device table, or
+    --cluster's built-in table (bench/compute_tables/), at the fitted factor."""
+    import os
+
+    from lins_ds.plan.compute_model import ComputeTable
+
+    name = args.cluster or overheads.cluster or "h200-emulated"
+    cluster = P.get_cluster(name)
+    if name == overheads.cluster:
+        table = ComputeTable.from_json(overheads.compute_table)
+    else:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compute_tables", f"{name}.json")
+        if not os.path.exists(path):
+            raise P.PlanError(f"--cluster {name}: no built-in compute table (bench/compute_tables/); measure one "
+                              "(lins-ds profile --compute) and fit with it")
+        table = ComputeTable.load(path)
+    factor = overheads.compute["shape"]
+    compute = replace(cluster.compute(), table=table, achievable_mfu=factor)
+    note = (f"compute from each model's shape: the {table.device} table ({table.source}) at the factor {factor:.3f} "
+            f"fitted to GPU runs ({terms_from})")
+    return cluster, compute, note
+
+
+def _simulate(args, model, systems, overheads, cluster, compute, note) -> int:
+    capacity = args.gpu_memory_gb or cluster.gpu_memory_gb
+    mem = P.MemorySpec(capacity)
+    nodes_list = [int(x) for x in args.sweep_nodes.split(",")] if args.sweep_nodes else [args.nodes]
+    out = {"calibration": note, "runs": []}
+    for m in nodes_list:
+        topo = P.Topology(m, args.gpus_per_node)
+        table = (P.ProfileTable.load(args.profile) if args.profile
+                 else cluster.table(cost.required_meshes(topo, P.candidates(topo))))
+        train = sim_train(model, topo, args.seq_len, args.micro_batch_size, args.global_batch_tokens)
+        res = simulate(model, topo, train, mem, table, compute, systems, overheads)
+        out["runs"].append({"nodes": m, "gpus": topo.world_size, "micro_batches": train.grad_accum,
+                            "systems": {k: v.to_json() for k, v in res.items()}})
+    return _report(args, out, note, systems, model)
 
 
 def run_fit(args) -> int:

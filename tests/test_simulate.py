@@ -122,3 +122,23 @@ def test_one_rank_fetches_run_their_hooks_but_gather_nothing():
     two_nodes = Topology(2, 1)
     schedule = baseline_schedule("zeropp", two_nodes, model, sim_train(model, two_nodes, 2048, 2, 8192))
     assert {c.mesh.size for c in schedule if c.phase == "backward" and c.op == "all_gather"} == {2}
+
+
+def test_a_shape_model_calibration_carries_its_compute_model_and_says_which(capsys):
+    """A calibration fitted with --compute-table prices any model from its shape: with its own device table by
+    default, with --cluster's built-in one (A800: derived from public figures, and said so) otherwise."""
+    import os
+
+    cal = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "bench/results/simulate/calibrated_shape/profile_1host.json")
+    args = ["simulate", "--gpus-per-node", "8", "--model", "llama-13b", "--seq-len", "4096", "--micro-batch-size",
+            "1", "--global-batch-tokens", "4194304", "--format", "json", "--calibration", cal]
+    assert main(args + ["--cluster", "a800-ib"]) == 0
+    a800 = json.loads(capsys.readouterr().out)
+    assert "A800-80GB (derived) table (derived, not measured" in a800["calibration"]
+    assert "factor 1.205" in a800["calibration"]
+    assert main(args + ["--gpu-memory-gb", "139"]) == 0
+    h200 = json.loads(capsys.readouterr().out)
+    assert "the NVIDIA H200 table (measured on NVIDIA H200" in h200["calibration"]
+    # the same model on the faster GPU steps faster
+    assert h200["systems"]["zero1"]["step_s"] < a800["systems"]["zero1"]["step_s"]
