@@ -41,12 +41,17 @@ class Candidate:
     @property
     def label(self) -> str:
         e = self.evaluation
-        out = str(e.layout)
-        if e.ckpt_units:
-            out += f" ckpt {e.ckpt_units}/{e.num_layers}"
-        if e.offload_units:
-            out += f" offload {e.offload_units}/{e.num_units}"
-        return out
+        return label(e.layout, e.ckpt_units, e.num_layers, e.offload_units, e.num_units)
+
+
+def label(layout: Layout, ckpt: int, layers: int, offload: int, units=None) -> str:
+    """A plan in one line: its layout, checkpointed layer units, units whose OS is on the host."""
+    out = str(layout)
+    if ckpt:
+        out += f" ckpt {ckpt}/{layers}"
+    if offload:
+        out += f" offload {offload}" + (f"/{units}" if units else "")
+    return out
 
 
 def predicted_step_s(e: Evaluation, model, train, compute) -> float:

@@ -25,6 +25,7 @@ import torch
 from .. import comm
 from ..plan import Plan
 from ..plan.layout import Layout
+from ..plan.tune import label
 from .optimizer import scalar_state
 from .unit import ChunkSpec
 
@@ -222,12 +223,7 @@ def _replan(runtime, opt, plan: Plan, old: Plan, on_device_change, t0: float, ba
 
 
 def _describe(plan: Plan) -> str:
-    out = str(plan.layout)
-    if plan.activation_checkpointing_units:
-        out += f", {plan.activation_checkpointing_units} units checkpointed"
-    if plan.offload_units:
-        out += f", OS of {plan.offload_units} units on the host"
-    return out
+    return label(plan.layout, plan.activation_checkpointing_units, plan.num_layers, plan.offload_units)
 
 
 def _report(dev, t0: float, base: int, host_bytes: int) -> RelayoutReport:
