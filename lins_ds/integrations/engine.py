@@ -32,6 +32,7 @@ from ..runtime.runtime import LinsRuntime
 from . import ds_compat
 
 ds_compat.check()
+GUARD_AFTER_STEPS = 2  # the memory guard's step: the first whose forward and backward hold the optimizer's state
 
 
 def validate(config: dict, stage: int, has_client_optimizer: bool, world_size: int, local_world_size: int):
@@ -160,11 +161,12 @@ class LinsEngine(DeepSpeedEngine):
         return relayout.run(self.lins, self.optimizer, plan, on_device_change=self._apply_checkpointing)
 
     def step(self, lr_kwargs=None):
-        """DeepSpeed's step; after the first optimizer step, the memory guard compares the measured peak with
-        the plan's prediction (docs/design.md §8)."""
+        """DeepSpeed's step; after the second optimizer step, the memory guard compares the measured peak with
+        the plan's prediction (docs/design.md §8): the first window runs its forward and backward before the
+        optimizer's state exists, so its peak is below every later one's."""
         before = self.global_steps
         super().step(lr_kwargs=lr_kwargs)
-        if before == 0 and self.global_steps == 1:
+        if before == GUARD_AFTER_STEPS - 1 and self.global_steps == GUARD_AFTER_STEPS:
             memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device, self.optimizer.host_gb())
         if self.lins_tuner is not None and self.global_steps != before and self.lins_tuner.after_step():
             self.lins_tune_report, self.lins_tuner = self.lins_tuner.report, None

@@ -1,7 +1,8 @@
-"""The memory guard: after the first optimizer step every rank compares its measured peak with the plan's
-prediction; rank 0 logs both, and warns when the run exceeds its budget, naming the excess and a plan that
-would fit (docs/design.md §8). Measured where the device reports it (CUDA); elsewhere there is nothing to
-compare and the guard stays silent.
+"""The memory guard: after the second optimizer step (the first whose forward and backward run with the
+optimizer's state allocated; the first step's peak is below every later one's) every rank compares its measured
+peak with the plan's prediction; rank 0 logs both, and warns when the run exceeds its budget, naming the excess
+and a plan that would fit (docs/design.md §8). Measured where the device reports it (CUDA); elsewhere there is
+nothing to compare and the guard stays silent.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def report_startup(runtime, context, seconds: float) -> None:
 
 
 def check(plan: Plan, context, device: torch.device, host_gb: float = 0.0) -> None:
-    """Run on every rank after the first optimizer step; the worst rank's peak is reported, and with offload the
+    """Run on every rank after the second optimizer step; the worst rank's peak is reported, and with offload the
     host memory this rank's offloaded state holds (``host_gb``) next to the plan's."""
     if host_gb and comm.rank() == 0:
         msg = (f"lins host memory: offloaded optimizer state holds {host_gb:.2f} GiB on rank 0 vs predicted "
