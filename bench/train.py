@@ -74,20 +74,12 @@ def ds_config_for(args: argparse.Namespace) -> dict:
             cfg.pop("train_batch_size", None)
     if isinstance(cfg.get("lins"), dict):
         cfg["lins"].setdefault("seq_len", args.seq_len)  # what the solver sizes activations for
-        if args.lins_memory_gb:
-            cfg["lins"] = {**cfg["lins"], "gpu_memory_gb": args.lins_memory_gb}
-        if args.lins_plan:
-            cfg["lins"] = {**cfg["lins"], "plan": json.loads(args.lins_plan)}
-        if args.lins_checkpointing:
-            cfg["lins"] = {**cfg["lins"], "activation_checkpointing": json.loads(args.lins_checkpointing)}
-        if args.lins_init:
-            cfg["lins"] = {**cfg["lins"], "init": args.lins_init}
-        if args.lins_offload:
-            cfg["lins"] = {**cfg["lins"], "offload": json.loads(args.lins_offload)}
-        if args.lins_tune:
-            cfg["lins"] = {**cfg["lins"], "tune": json.loads(args.lins_tune)}
-        if args.lins_profile_cache:
-            cfg["lins"] = {**cfg["lins"], "profile_cache": args.lins_profile_cache}
+        keep, parse = (lambda v: v), json.loads
+        overrides = (("gpu_memory_gb", args.lins_memory_gb, keep), ("plan", args.lins_plan, parse),
+                     ("activation_checkpointing", args.lins_checkpointing, parse), ("init", args.lins_init, keep),
+                     ("offload", args.lins_offload, parse), ("tune", args.lins_tune, parse),
+                     ("profile_cache", args.lins_profile_cache, keep))
+        cfg["lins"] = {**cfg["lins"], **{key: read(value) for key, value, read in overrides if value}}
     return emulate_nodes(cfg, args.gpus_per_node) if args.gpus_per_node else cfg
 
 

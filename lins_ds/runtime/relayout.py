@@ -153,10 +153,10 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 def fill(opt, staged: Staged) -> None:
     """Write the staged values into the optimizer's (new) master slices and state, then the parameters' P
     storage (``write_back``); the caller runs the P-sync."""
-    units = opt.runtime.units
+    index = {id(u): i for i, u in enumerate(opt.runtime.units)}
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     for sl in opt.slices:
-        start, values = staged.chunks[units.index(sl.range.unit)]
+        start, values = staged.chunks[index[id(sl.range.unit)]]
         a, b = sl.range.lo - start, sl.range.hi - start
         sl.param.data.copy_(values["master"][a:b])
         state = {k: v[a:b].to(sl.param.device, copy=True) for k, v in values.items() if k != "master"}

@@ -185,21 +185,25 @@ class Tuner:
         if self.budget_gb is not None and trial.peak_gb is not None and trial.peak_gb > self.budget_gb:
             trial.dropped = f"measured peak {trial.peak_gb:.2f} GiB over the budget {self.budget_gb:.2f} GiB"
 
-    def _switch(self, index: int) -> bool:
+    def _switch(self, index: int, trial_move: bool = True) -> bool:
+        """Move onto trial ``index``'s plan: a trial's move is recorded (its time, or why it was dropped); the move
+        back to the winner is not. False where it failed (every rank alike, back on the running plan)."""
         trial = self.trials[index]
         try:
             rep = self.engine.relayout(trial.plan)
-        except RelayoutError as e:  # raised on every rank alike; the engine is back on the running plan
-            trial.dropped = f"could not switch: {e}"
+        except RelayoutError as e:
+            if trial_move:
+                trial.dropped = f"could not switch: {e}"
             return False
-        trial.relayout_s, trial.relayout_extra_gb = rep.seconds, rep.extra_peak_gb
+        if trial_move:
+            trial.relayout_s, trial.relayout_extra_gb = rep.seconds, rep.extra_peak_gb
         self.current = index
         return True
 
     def _decide(self) -> None:
         measured = [(None if t.dropped else t.measured_s, t.peak_gb) for t in self.trials]
         win = choose.fastest(measured, self.budget_gb)
-        if win is not None and win != self.current and not self._switch_back(win):
+        if win is not None and win != self.current and not self._switch(win, trial_move=False):
             win = self.current if not self.trials[self.current].dropped else None
         self.report = [t.row(i == win) for i, t in enumerate(self.trials)]
         if comm.rank() == 0:
@@ -220,15 +224,6 @@ class Tuner:
         except OSError as e:
             warnings.warn(f"lins tune: the decision was not cached ({e}); the next launch tunes again",
                           RuntimeWarning, stacklevel=2)
-
-    def _switch_back(self, index: int) -> bool:
-        trial = self.trials[index]
-        try:
-            self.engine.relayout(trial.plan)
-        except RelayoutError:
-            return False
-        self.current = index
-        return True
 
 
 def _append_runs(path: str, key: dict, rows: list) -> None:
