@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 26 (offload) on one H200 (device tool, nvidia-h200). DeepSpeed 0.19.8 from .whl (carry it).
-# Usage: OUT=<dir> bash bench/gpu_issue26.sh [smoke] [3b-lins] [3b-ds] [3b-more] [7b] (all by default); writes $OUT/<part>_<run>.json and $OUT/log.txt.
+# Usage: OUT=<dir> bash bench/gpu_issue26.sh [smoke] [3b-lins] [3b-ds] [3b-more] [7b] (all by default), or the parts
+# of the gradient placement: g-smoke g-3b (BUDGETS="19.28 13.29 40" by default) 7b-cap 3b-ds; writes
+# $OUT/<part>_<run>.json and $OUT/log.txt.
 #  smoke  the tiny LLaMA under Lins with every OS on the host (CUDA streams, pinned memory, the worker thread)
 #  3b     LLaMA h3072 x 24 (2.92 B), seq 4096, micro-batch 2, gas 2, bf16, AdamW, clip 1, every layer checkpointed
 #         (HF gradient checkpointing, all modes): DeepSpeed ZeRO-2 + offload_optimizer, ZeRO-3 + offload_param +
@@ -11,6 +13,8 @@
 #         checkpointing and offload)
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
+# EXPANDABLE=1: the caching allocator grows segments instead of caching fixed blocks (less fragmentation; runs "_exp")
+[ -n "${EXPANDABLE:-}" ] && export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 run() {  # run <name> <timeout s> <bench.train args...>
   local name=$1 limit=$2; shift 2
@@ -18,7 +22,7 @@ run() {  # run <name> <timeout s> <bench.train args...>
   timeout "$limit" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 500)) -m bench.train "$@" \
     --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "rc $?" >> "$OUT/$name.log"
-  grep -E "^step|Lins plan|optimizer state on|offload:|lins memory|lins host|lins start-up|Error|error:|Killed|rc " \
+  grep -E "^step|Lins plan|optimizer state on|offload:|lins memory|lins host|lins start-up|Error|error:|Killed|rc |no plan" \
     "$OUT/$name.log" | grep -v "^step    [3-7] " | tail -14 | tee -a "$OUT/log.txt"
 }
 M3=bench/models/llama-2.9b.json
@@ -52,6 +56,20 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
     run 3b_lins_footprint 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb "${FP:?}" "${L[@]}" ;;
   3b-ratio)
     run 3b_zero3_ratio 240 --deepspeed_config ds_configs/zero3_offload_ratio.json "${B3[@]}" ;;
+  g-smoke)  # the offloaded units' gradients accumulated on the host (CUDA copy stream, pinned buffers, its thread)
+    run smoke_g 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 --warmup-steps 2 \
+      --lins-offload '{"os": "cpu", "g": "cpu"}' "${L[@]}"
+    run smoke_half_g 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 --warmup-steps 2 \
+      --lins-offload '{"os": "cpu", "os_fraction": 0.5, "g": "cpu"}' "${L[@]}" ;;
+  g-3b)  # Lins "auto" (OS and now G placement) at DeepSpeed's two full-offload footprints and 40 GiB; each run's
+    # caching allocator capped at its budget less Lins' 2 GiB reserve (--gpu-cap-gb: the card it plans for)
+    for b in ${BUDGETS:-19.28 13.29 40}; do
+      run 3b_lins_g_$b${EXPANDABLE:+_exp} 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb $b \
+        --gpu-cap-gb $(python3 -c "print($b - 2)") "${L[@]}"
+    done ;;
+  7b-cap)  # the 7B at 80 GiB on an emulated 80 GiB card (allocator capped at 78 GiB)
+    run 7b_lins_80_cap${EXPANDABLE:+_exp} 400 --deepspeed_config ds_configs/lins_offload.json --model 7b --seq-len 2048 \
+      --micro-batch-size 1 --grad-accum 1 --steps 6 --warmup-steps 2 --lins-memory-gb 80 --gpu-cap-gb 78 "${L[@]}" ;;
   7b)
     run 7b_lins_80 400 --deepspeed_config ds_configs/lins_offload.json --model 7b --seq-len 2048 --micro-batch-size 1 \
       --grad-accum 1 --steps 6 --warmup-steps 2 --lins-memory-gb 80 "${L[@]}" ;;

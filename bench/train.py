@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true",
                    help="Hugging Face gradient checkpointing on every layer (any mode; Lins keeps it as found)")
     p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
+    p.add_argument("--gpu-cap-gb", type=float, help="emulate a smaller GPU: the caching allocator may hold at most "
+                   "this many GiB (torch.cuda.set_per_process_memory_fraction); beyond it, it frees its cache, then fails")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1)
@@ -185,10 +187,13 @@ def offload_summary(engine, steps: int):
     host = getattr(getattr(engine, "optimizer", None), "host", None)
     if host is None or getattr(engine, "lins", None) is None:
         return None
+    grads = engine.lins.host_grads
     return {"host_gb": engine.optimizer.host_gb(), "predicted_host_gb": engine.lins.plan.host_gb,
             "offload_units": engine.lins.plan.offload_units, "units": len(engine.lins.units),
+            "offload_grads": engine.lins.plan.offload_grads,
             "host_optimizer": host.opt.name, "worker_s_last_step": host.last_update_s,
-            "waited_s_per_step": host.waited_s / max(1, steps)}
+            "waited_s_per_step": host.waited_s / max(1, steps),
+            "grads_waited_s_per_step": grads.waited_s / max(1, steps) if grads is not None else 0.0}
 
 
 def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) -> dict:
@@ -242,6 +247,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     ds_config = ds_config_for(args)
     device = setup_device()
+    if args.gpu_cap_gb and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap_gb / total), device)
     # the host's speed (bench/host.py), every rank at once, before the model and the engine exist: what
     # the process does later (the engine's hooks, its objects for the garbage collector) is the step's own cost
     host_s = max_over_ranks(seconds_per_module(device), device.type == "cuda")  # the slowest rank's
@@ -250,6 +258,7 @@ def main(argv=None) -> dict:
     losses, times, phases = train(args, engine, model, device)
     summary = summarize(args, engine, losses, times, phases, startup, device.type == "cuda")
     summary["host_s_per_module"] = host_s
+    summary["gpu_cap_gb"] = args.gpu_cap_gb
     if dist.get_rank() == 0 and args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

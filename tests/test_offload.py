@@ -1,6 +1,7 @@
-"""Offload (docs/design.md §13): the optimizer state of the plan's last units in host memory trains exactly like
-it on the device, checkpoints cross between the two, bad values are named, a ZeRO-Offload config is read as
-Lins' offload, and the planner offloads only what a GPU budget needs."""
+"""Offload (docs/design.md §13): the optimizer state of the plan's last units in host memory, and their gradients
+(G accumulated on the host as each backward sends them down), trains exactly like it on the device, checkpoints
+cross between the placements, bad values are named, a ZeRO-Offload config is read as Lins' offload, and the
+planner offloads only what a GPU budget needs."""
 
 import math
 from itertools import pairwise
@@ -9,12 +10,14 @@ import pytest
 import torch
 
 import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine)
-from helpers import (GPUS_PER_NODE, STEPS, WORLD, bad_config, ckpt_config, ckpt_steps, config, max_err, param_groups,
-                     reference, run, state, tiny_llama, train)
+from helpers import (GPUS_PER_NODE, STEPS, WORLD, bad_config, batch, ckpt_config, ckpt_steps, config, max_err,
+                     param_groups, reference, run, state, tiny_llama, train)
 from lins_ds.plan import (ComputeSpec, MemorySpec, NoFeasiblePlan, PlanError, Topology, TrainingSpec, candidates, cost,
                           get_cluster, load_model, solve)
 from lins_ds.plan.memory import memory
-from lins_ds.plan.offload import HostSpec, OffloadSpec
+from lins_ds.plan import Plan
+from lins_ds.plan.offload import HostSpec, OffloadSpec, unit_seconds
+from lins_ds.plan.report import describe
 from lins_ds.plan.solver import evaluate
 
 transformers = pytest.importorskip("transformers")
@@ -22,8 +25,12 @@ transformers = pytest.importorskip("transformers")
 REPLICATED = {"p": [1, 1], "g": [1, 1], "os": [1, 1]}  # s_os == s_p: host updates outlive step()
 OS_SHARDED = {"p": [1, 1], "g": [1, 1], "os": [2, 2]}  # s_os != s_p: step() waits for them, then P-syncs
 ALL_SHARDED = {"p": [2, 2], "g": [2, 2], "os": [2, 2]}
-CPU = {"os": "cpu"}
+ZERO2 = {"p": [1, 1], "g": [2, 2], "os": [2, 2]}  # G sharded over every rank, P whole: step() waits, then P-syncs
+CPU = {"os": "cpu"}  # G stays on the GPU where the layout has a replica AllReduce (REPLICATED, OS_SHARDED)
 HALF = {"os": "cpu", "os_fraction": 0.5}
+CPU_G = {"os": "cpu", "g": "cpu"}  # G accumulated on the host too (layouts whose G is sharded over every rank)
+CPU_NOT_G = {"os": "cpu", "g": "gpu"}
+HALF_G = {"os": "cpu", "os_fraction": 0.5, "g": "cpu"}
 UNITS = 3  # the tiny LLaMA: the root and 2 layers
 
 
@@ -31,6 +38,10 @@ def expected_units(offload) -> int:
     if offload is False:
         return 0
     return math.ceil(offload.get("os_fraction", 1.0) * UNITS)
+
+
+def expected_grad_units(offload) -> int:
+    return expected_units(offload) if offload and offload.get("g") == "cpu" else 0
 
 
 def offload_facts(engine) -> dict:
@@ -42,6 +53,9 @@ def offload_facts(engine) -> dict:
             "has_host": opt.host is not None,
             "host_updater_units": len(opt.host.units()) if opt.host is not None else 0,
             "on_host_slices_in_host_units": all((s.range.unit in host_units) == s.on_host for s in opt.slices),
+            "host_grad_units": len(rt.host_grads.units()) if rt.host_grads is not None else 0,
+            "host_grad_units_are_host_units": all((u.host_grads is not None) == (u in host_units) for u in rt.units)
+            if rt.host_grads is not None else all(u.host_grads is None for u in rt.units),
             "host_gb": opt.host_gb(), "client_optimizer": type(opt.optimizer).__name__}
 
 
@@ -51,18 +65,19 @@ def train_runs(runs):
     import deepspeed
 
     out = []
-    for plan, offload in runs:
+    for plan, offload, *extra in runs:
         model = tiny_llama()
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
                                           config=config({"plan": plan, "offload": offload,
-                                                         "host_optimizer": "torch"}))
+                                                         "host_optimizer": "torch", **(extra[0] if extra else {})}))
         states = train(engine, after_step=state)
         out.append((plan, offload, states, offload_facts(engine)))
         engine.destroy()
     return out
 
 
-TRAJECTORY_RUNS = [(p, o) for p in (REPLICATED, OS_SHARDED, ALL_SHARDED) for o in (False, CPU)] + [(ALL_SHARDED, HALF)]
+TRAJECTORY_RUNS = ([(p, o) for p in (REPLICATED, OS_SHARDED) for o in (False, CPU)]
+                   + [(ALL_SHARDED, o) for o in (False, CPU_G, CPU_NOT_G, HALF_G)] + [(ZERO2, o) for o in (False, CPU_G)])
 
 
 def test_offloaded_optimizer_state_follows_the_same_trajectory():
@@ -70,12 +85,14 @@ def test_offloaded_optimizer_state_follows_the_same_trajectory():
     results = run(train_runs, WORLD, TRAJECTORY_RUNS, gpus_per_node=GPUS_PER_NODE)
     for rank_results in results:
         baseline = {str(plan): states for plan, offload, states, _ in rank_results if offload is False}
-        assert len(baseline) == 3
+        assert len(baseline) == 4
         for plan, offload, states, facts in rank_results:
             name = (plan, offload)
             assert len(states) == STEPS
             assert facts["units"] == UNITS, name
             assert facts["offload_units"] == facts["host_units"] == expected_units(offload), (name, facts)
+            assert facts["host_grad_units"] == expected_grad_units(offload), (name, facts)
+            assert facts["host_grad_units_are_host_units"] or not facts["host_grad_units"], (name, facts)
             assert facts["has_host"] == (offload is not False), (name, facts)
             assert facts["host_updater_units"] == expected_units(offload), (name, facts)
             assert facts["host_units_are_last"] and facts["on_host_slices_in_host_units"], (name, facts)
@@ -85,6 +102,58 @@ def test_offloaded_optimizer_state_follows_the_same_trajectory():
                 assert max_err(now, r) <= 1e-5, (name, step, max_err(now, r))  # and the single process's
             # the parameters moved: the comparisons above are not between two runs that did nothing
             assert max_err(states[-1], states[0]) > 1e-4, name
+
+
+def test_host_gradients_reduced_in_another_dtype_follow_the_same_trajectory():
+    """Gradients reduced in bf16 and accumulated in fp32: each comes down into its own buffer and the host converts
+    (the window's first) or adds it, as the device would: the same trajectory as with G on the device and the same
+    host optimizer. (Against no offload, torch's fused CPU AdamW and its foreach AdamW on these bf16-rounded
+    gradients differ by up to 1e-5 after three steps, G placement or not.)"""
+    bf16 = {"grad_reduce_dtype": "bf16"}
+    runs = [(ZERO2, CPU_NOT_G, bf16), (ZERO2, CPU_G, bf16), (ALL_SHARDED, {**HALF_G, "g": "gpu"}, bf16),
+            (ALL_SHARDED, HALF_G, bf16), (ZERO2, False, bf16)]
+    for rank_results in run(train_runs, WORLD, runs, gpus_per_node=GPUS_PER_NODE):
+        (_, _, base_z, fbz), (_, _, z, fz), (_, _, base_a, fba), (_, _, a, fa), (_, _, none, _) = rank_results
+        assert fz["host_grad_units"] == UNITS and fa["host_grad_units"] == expected_units(HALF_G), (fz, fa)
+        assert fbz["host_grad_units"] == fba["host_grad_units"] == 0
+        for now, base in list(zip(z, base_z)) + list(zip(a, base_a)):
+            assert max_err(now, base) <= 1e-6, max_err(now, base)
+        for now, base in zip(z, none):
+            assert max_err(now, base) <= 2e-5, max_err(now, base)
+        assert max_err(z[-1], z[0]) > 1e-4
+
+
+def slow_gradient_sums(gas):
+    """Three micro-batches a window with the host's gradient sums running late: a micro-batch's gradient must not
+    land in the down buffer before the thread has added the one before it."""
+    import deepspeed
+
+    from lins_ds.runtime.offload import HostGrads
+
+    HostGrads.test_delay_s = 0.03
+    out = []
+    rank = torch.distributed.get_rank()
+    for offload in (False, CPU_G):
+        model = tiny_llama()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)), config=config(
+            {"plan": ZERO2, "offload": offload, "host_optimizer": "torch"}, gradient_accumulation_steps=gas))
+        states = []
+        for step in range(2):
+            for micro in range(gas):
+                x = batch(step, micro, rank, 96)
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+            states.append(state(engine))
+        out.append((states, engine.lins.host_grads is not None))
+        engine.destroy()
+    return out
+
+
+def test_late_gradient_sums_lose_no_micro_batch():
+    for (base, base_host), (now, host) in run(slow_gradient_sums, WORLD, 3, gpus_per_node=GPUS_PER_NODE):
+        assert host and not base_host
+        for a, b in zip(now, base):
+            assert max_err(a, b) <= 1e-6, max_err(a, b)
 
 
 def slow_host(delay_s=0.05):
@@ -124,7 +193,7 @@ def scheduled_runs(runs):
 def test_host_updates_use_the_learning_rate_of_their_own_step():
     """Where host updates outlive ``step()`` (s_os == s_p), the scheduler steps before they run: they must still
     use the hyperparameters of the step that launched them."""
-    runs = [(p, o) for p in (REPLICATED, ALL_SHARDED) for o in (False, CPU)]
+    runs = [(REPLICATED, False), (REPLICATED, CPU), (ALL_SHARDED, False), (ALL_SHARDED, CPU_G)]
     for rank_results in run(scheduled_runs, WORLD, runs, gpus_per_node=GPUS_PER_NODE):
         baseline = {str(plan): states for plan, offload, states, _ in rank_results if offload is False}
         for plan, offload, states, units in rank_results:
@@ -184,14 +253,14 @@ def save_and_resume(ckpt_on, ckpt_off):
     ref = ckpt_steps(engine, 0, 2 * K)[K:]
     engine.destroy()
     facts = []
-    for ckpt, offload in ((ckpt_on, CPU), (ckpt_off, False)):
+    for ckpt, offload in ((ckpt_on, CPU_G), (ckpt_off, False)):
         engine = make_engine(ALL_SHARDED, offload)
         ckpt_steps(engine, 0, K)
         engine.save_checkpoint(ckpt)  # right after step(): with offload, host updates may still be running
         engine.destroy()
     resumed = {}
     for name, ckpt, plan, offload in (("offload -> none", ckpt_on, ALL_SHARDED, False),
-                                      ("none -> offload", ckpt_off, ALL_SHARDED, CPU),
+                                      ("none -> offload", ckpt_off, ALL_SHARDED, CPU_G),
                                       ("offload -> half, other plan", ckpt_on, OS_SHARDED, HALF)):
         engine = make_engine(plan, offload)
         engine.load_checkpoint(ckpt)
@@ -223,7 +292,9 @@ BAD_OFFLOAD = [
     ({"os": "cpu", "os_fraction": 0}, "lins.offload.os_fraction"),
     ({"os": "cpu", "os_fraction": 1.5}, "lins.offload.os_fraction"),
     ({"p": "cpu"}, "lins.offload.p"),
-    ({"g": "cpu"}, "lins.offload.g"),
+    ({"g": "disk"}, "lins.offload.g"),
+    ({"os": "gpu", "g": "cpu"}, "lins.offload.g"),
+    ({"g": "cpu"}, "lins.offload.g"),  # REPLICATED's G has a replica AllReduce: it cannot live on the host
     ({"foo": 1}, "lins.offload.foo"),
 ]
 NVME = {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}
@@ -234,7 +305,7 @@ def zero_offload(**offload_optimizer) -> dict:
 
 
 def bad_configs():
-    msgs = [bad_config({"plan": OS_SHARDED, "offload": value}, {}) for value, _ in BAD_OFFLOAD]
+    msgs = [bad_config({"plan": REPLICATED, "offload": value}, {}) for value, _ in BAD_OFFLOAD]
     return msgs + [bad_config({"plan": OS_SHARDED}, NVME)]
 
 
@@ -337,7 +408,8 @@ def test_planner_offloads_what_a_small_gpu_needs():
     assert sol.best.offload_s > 0  # offload is priced
     # the fewest units that fit: one fewer would not (with the same layout and checkpointing)
     fewer = evaluate(TOPO, sol.best.layout, sol.best.ckpt_units, MODEL, TRAIN, MemorySpec(budget), TABLE,
-                     ComputeSpec(), offload_units=sol.plan.offload_units - 1, offload=auto())
+                     ComputeSpec(), offload_units=sol.plan.offload_units - 1, offload=auto(),
+                     offload_grads=sol.best.offload_grads)
     assert fewer.memory.total_gb > budget
     # a smaller budget offloads more
     smaller = solve(MODEL, TOPO, TRAIN, MemorySpec(budget - 15), TABLE, offload=auto())
@@ -371,3 +443,56 @@ def test_fixed_fraction_and_the_optimizer_term():
     assert all(a > b for a, b in pairwise(optimizer)), optimizer
     assert optimizer[-1] == 0 and optimizer[0] == pytest.approx(TRAIN.optimizer_bytes * MODEL.total_params() / 2**30)
     assert host[0] == 0 and all(a < b for a, b in pairwise(host)), host
+
+
+def test_gradients_on_the_host_lower_the_gpu_floor():
+    """G on the host: no G accumulator of an offloaded unit on the GPU, a micro-batch's down buffer on the host
+    (gas 2), and a budget that only OS offload cannot meet is met."""
+    (layout,) = candidates(TOPO)
+    units, k = MODEL.unit_params(), len(MODEL.unit_params())
+    n = MODEL.num_layers
+    os_only = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, offload_units=k)
+    with_g = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, offload_units=k, offload_grads=True)
+    g_gib = TRAIN.grad_bytes * sum(units) / 2**30
+    assert os_only.terms["grads"] == pytest.approx(g_gib, rel=0.01)
+    assert with_g.terms["grads"] == 0
+    assert os_only.allocated_gb - with_g.allocated_gb > 0.8 * g_gib
+    assert with_g.host_gb - os_only.host_gb == pytest.approx(TRAIN.reduce_bytes * sum(units) / 2**30)
+    budget = os_only.total_gb - 2
+    with pytest.raises(NoFeasiblePlan):
+        solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=OffloadSpec("auto", host=BIG_HOST, grads="gpu"))
+    sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto())
+    assert sol.plan.offload_grads and sol.best.offload_grads and sol.best.memory.total_gb <= budget
+    assert "OS and G" in describe(sol.best)
+    assert Plan.from_json(sol.plan.to_json()) == sol.plan
+
+
+def test_gradients_go_to_the_host_only_where_no_replica_allreduce_follows():
+    topo = Topology(2, 2)
+    layouts = candidates(topo)
+    for spec, expect in ((OffloadSpec("auto", host=BIG_HOST), lambda ok: [False, True] if ok else [False]),
+                         (OffloadSpec("fixed", host=BIG_HOST, grads="cpu"), lambda ok: [True] if ok else []),
+                         (OffloadSpec("fixed", host=BIG_HOST, grads="gpu"), lambda ok: [False])):
+        for lay in layouts:
+            assert spec.grad_choices(lay, 4) == expect(lay.g.size == 4), (spec, lay)
+    assert OffloadSpec("off").grad_choices(layouts[0], 4) == [False]
+    with pytest.raises(PlanError, match="offload.g"):
+        OffloadSpec("auto", host=BIG_HOST, grads="disk")
+    # the time after the step: nothing comes down for a unit whose gradient is on the host already
+    host = HostSpec(100, update_elems_per_s=1e9, d2h_gbs=10, h2d_gbs=10)
+    assert unit_seconds(1e9, 1, TRAIN, host, grads=True) < unit_seconds(1e9, 1, TRAIN, host)
+    # fixed G on the host with layouts that have a replica AllReduce only: none is considered, the error says so
+    replicated = [lay for lay in layouts if lay.g.size == 1]
+    with pytest.raises(PlanError, match="offload.g"):
+        solve(MODEL, topo, TRAIN, MemorySpec(1000), get_cluster("a800-ib").table(cost.required_meshes(topo, layouts)),
+              layouts=replicated, offload=OffloadSpec("fixed", host=BIG_HOST, grads="cpu"))
+
+
+def test_host_gradient_thread_closes_once_and_again():
+    """A failed placement closes the host accumulators and the fallback closes them again: no hang, thread gone."""
+    from lins_ds.runtime.offload import HostGrads
+
+    grads = HostGrads([], torch.float32, torch.device("cpu"))
+    grads.close()
+    grads.close()
+    assert not grads._thread.is_alive() and grads.error() == "" and grads.square_sum() == 0.0

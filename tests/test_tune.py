@@ -71,7 +71,8 @@ def _full_state(engine, path: str) -> dict:
 
 
 # --- relayout ------------------------------------------------------------------------------------------------
-MOVES = "BCACBADA"  # every ordered pair of A, B, C; then A to D and back (the same layout: no staging)
+MOVES = "BCACBADACEC"  # every ordered pair of A, B, C; A to D and back, C to E and back (the same layout: no
+# staging; C keeps its offloaded units' gradients on the host, E on the device); training goes on on C
 
 
 def relayout_pairs(tmp: str):
@@ -80,8 +81,9 @@ def relayout_pairs(tmp: str):
     engine = _engine({"plan": {"p": [1, 1], "g": [1, 1], "os": [1, 1]}, "host_optimizer": "torch"})
     base = engine.lins.plan
     plans = {"A": base, "B": dataclasses.replace(base, layout=OS_SHARDED),
-             "C": dataclasses.replace(base, layout=ALL_SHARDED, offload_units=2),
-             "D": dataclasses.replace(base, offload_units=2)}  # A's layout: only two units' OS move (to the host)
+             "C": dataclasses.replace(base, layout=ALL_SHARDED, offload_units=2, offload_grads=True),
+             "D": dataclasses.replace(base, offload_units=2),  # A's layout: only two units' OS move (to the host)
+             "E": dataclasses.replace(base, layout=ALL_SHARDED, offload_units=2)}
     losses = _steps(engine, 0, 2)
     checks = []
     before = _full_state(engine, f"{tmp}/0")
@@ -89,8 +91,9 @@ def relayout_pairs(tmp: str):
         rep = engine.relayout(plans[name])
         after = _full_state(engine, f"{tmp}/{i + 1}")
         exact = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+        grads_ok = (engine.lins.host_grads is not None) == plans[name].offload_grads
         checks.append((name, exact, engine.lins.layout == plans[name].layout,
-                       len(engine.lins.host_units) == plans[name].offload_units, rep.seconds >= 0))
+                       len(engine.lins.host_units) == plans[name].offload_units and grads_ok, rep.seconds >= 0))
         before = after
     losses += _steps(engine, 2, 2)
     engine.destroy()

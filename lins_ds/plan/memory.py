@@ -97,7 +97,7 @@ def formula_activations(model: ModelSpec, train: TrainingSpec) -> ActivationProf
 
 
 def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layout: Layout, ckpt_units: int,
-                    acts: ActivationProfile) -> dict:
+                    acts: ActivationProfile, host_grad_units: int = 0) -> dict:
     """Bytes beyond the persistent state at each moment of a backward that can hold its peak, per term:
 
     head       the loss's backward: every layer's saved tensors, the head's peak, the root gathered and the top
@@ -106,7 +106,10 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
                .grad, the staging buffers and ReduceScatter outputs in flight, the replica AllReduce copies
     recompute  a checkpointed layer's backward (k > 0): its recompute on top of the checkpointed inputs
     end        the root's reduction when the backward ends: its .grad, its own staging buffer and output
-    """
+
+    ``host_grad_units``: the last units (forward order) whose G accumulators live on the host
+    (``lins_ds.plan.offload``): none of theirs on the GPU; their gradients come as autograd makes them (one
+    unit's), staged, and a staged copy on its way down (two staging buffers)."""
     n, k = model.num_layers, ckpt_units
     units = model.unit_params()
     root, layer = units[0], max(units[1:], default=0)
@@ -115,17 +118,26 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
     accum, reduce = train.grad_accum_dtype or train.param_dtype, train.grad_reduce_dtype or train.param_dtype
     in_place = s_g == 1 and accum == train.param_dtype  # each .grad is a view into the accumulator
     in_flight = IN_FLIGHT_REDUCE_SCATTERS + 1 if s_g > 1 else 1
-    head_grads = 0.0 if in_place else model.vocab * model.hidden * pb
+    host_layers = min(host_grad_units, n)  # the layer units whose G is on the host (the last ones)
+    root_on_host = host_grad_units > n
+    head_grads = 0.0 if in_place and not root_on_host else model.vocab * model.hidden * pb
     reducing = 0.0 if in_place else layer * pb + in_flight * layer * rb + (in_flight * layer / s_g * rb if s_g > 1 else 0)
+    if host_layers and s_g == 1:  # those layers' gradients are staged: autograd's, the staging, a copy going down
+        reducing = layer * pb + 2 * layer * rb
     copies = ((IN_FLIGHT_REPLICA_COPIES + 1) * max(root, layer) / s_g * rb
               if topo.world_size // s_g > 1 and accum != reduce else 0.0)
     gathered_root, gathered_layer = (root * pb, layer * pb) if s_p > 1 else (0.0, 0.0)
     kept = (n - k) * acts.layer_saved + k * acts.layer_saved_ckpt
 
+    on_gpu = (0 if root_on_host else root) + (n - host_layers) * layer  # what has a G accumulator on the GPU
+
     def grads(layers_reached: int) -> float:
         """The G accumulators held once the backward has reached the root and ``layers_reached`` layer units (a
-        window's first backward); every one of them from the second on."""
-        reached = root + layers_reached * layer if train.grad_accum == 1 else sum(units)
+        window's first backward: the last layers first, whose G may be on the host); every one of them from the
+        second on."""
+        if train.grad_accum > 1:
+            return on_gpu * gb / s_g
+        reached = (0 if root_on_host else root) + max(0, layers_reached - host_layers) * layer
         return reached * gb / s_g
 
     phases = {"head": {"grads": grads(0), "activations": kept + acts.head_peak,
@@ -137,16 +149,16 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
         phases["recompute"] = {"grads": grads(n - k + 1),
                                "activations": k * acts.layer_saved_ckpt + acts.layer_saved + acts.layer_transient,
                                **busy}
-    end = 0.0 if in_place else root * pb + root * rb + (root / s_g * rb if s_g > 1 else 0)
+    end = 0.0 if in_place and not root_on_host else root * pb + root * rb + (root / s_g * rb if s_g > 1 else 0)
     phases["end"] = {"grads": grads(n), "activations": 0.0, "gathered": gathered_root, "grad_buffers": end + copies}
     return phases
 
 
 def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topology, layout: Layout,
            ckpt_units: int, activations: Optional[ActivationProfile] = None,
-           offload_units: int = 0) -> "MemoryBreakdown":
+           offload_units: int = 0, offload_grads: bool = False) -> "MemoryBreakdown":
     """``offload_units``: the last k units keep their OS on the host (``lins_ds.plan.offload``): the GPU holds
-    none of their optimizer state and runs none of their update."""
+    none of their optimizer state and runs none of their update; with ``offload_grads`` none of their G either."""
     phi = model.total_params()
     units = model.unit_params()
     resident = units[:len(units) - offload_units]
@@ -154,11 +166,12 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     pb, gb = train.param_bytes, train.grad_bytes
     s_p, s_g, s_os = layout.sharding()
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch)
-    phases = backward_phases(model, train, topo, layout, ckpt_units, acts)
+    host_g = offload_units if offload_grads else 0
+    phases = backward_phases(model, train, topo, layout, ckpt_units, acts, host_g)
     worst = max(phases, key=lambda p: sum(phases[p].values()))
     step_grad = 4 if gb != 4 else 0  # the optimizer reads fp32 gradients
     piece = max(resident, default=0) if train.optimizer_per_unit else on_gpu
-    all_grads = gb * phi / s_g
+    all_grads = gb * (phi - (sum(units) - on_gpu if host_g else 0)) / s_g
     update = piece / s_os * (step_grad + 4 * OPTIMIZER_TEMP_COPIES)
     backward = sum(phases[worst].values())
     stepping = update + all_grads > backward  # the step holds every G accumulator, and the update's temporaries
@@ -172,7 +185,7 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     terms["reserved"] = mem.reserved_gb
     terms["margin"] = mem.fragmentation * peak
     phase = "optimizer step" if stepping else f"backward ({worst})"
-    return MemoryBreakdown(terms, peak, acts.source, phase, host_gb(units, offload_units, s_os, train))
+    return MemoryBreakdown(terms, peak, acts.source, phase, host_gb(units, offload_units, s_os, train, offload_grads))
 
 
 @dataclass(frozen=True)

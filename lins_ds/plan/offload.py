@@ -1,11 +1,15 @@
-"""Offload as a plan dimension (docs/design.md §13): which units keep their optimizer state (OS) in host memory,
-what that costs in host memory and in time, and what of it the next forward hides.
+"""Offload as a plan dimension (docs/design.md §13): which units keep their optimizer state (OS), and their
+gradients (G), in host memory, what that costs in host memory and in time, and what of it is hidden.
 
-The placement is one number, ``k``: the last k units in forward order (the root, which runs first, only when
-k covers every unit) keep their fp32 master and moments on the host. Their gradients leave the GPU once final,
-the host optimizer updates them unit by unit in forward order, and each unit's updated parameters return just
-in time for its next forward — so the last units' host work hides behind the first units' forward. A unit
-offloaded costs, per element of this rank's OS chunk: the host update, the gradient down and the parameter up.
+The placement is one number and one switch. ``k``: the last k units in forward order (the root, which runs first,
+only when k covers every unit) keep their fp32 master and moments on the host; the host optimizer updates them unit
+by unit in forward order, and each unit's updated parameters return just in time for its next forward — so the
+last units' host work hides behind the first units' forward. ``grads``: the same units' G accumulators live on the
+host too; each micro-batch's gradient of such a unit leaves the GPU as soon as its backward (and its reduction) is
+done, and the host adds it up while the rest of the backward runs. Only where no replica AllReduce follows the
+reduction (s_g = the world: ``grads_may_leave``). Without it, an offloaded unit's gradient goes down at the step.
+A unit offloaded costs, per element of this rank's OS chunk: the host update and the parameter up, and the
+gradient down at the step (G on the GPU) or, during backward, each micro-batch's gradient down and its host sum.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from .spec import GIB, TrainingSpec
 from .topology import Layout, PlanError
 
 MODES = ("off", "auto", "fixed")
+GRAD_PLACES = ("auto", "cpu", "gpu")  # the offloaded units' G: the solver's choice, always the host, never
 HOST_STATE_BYTES = 4 + 8  # fp32 master and Adam's two fp32 moments, always on the host for an offloaded unit
 
 
@@ -32,6 +37,8 @@ class HostSpec:
     d2h_gbs: float = 25.0
     optimizer: str = "torch AdamW (fused, CPU)"  # the host optimizer, named in the summary
     source: str = "assumed"  # "measured on <device>" or "assumed"
+    accumulate_elems_per_s: float = 4.0e9  # the host's sum of a micro-batch's gradient into the G accumulator
+    norm_elems_per_s: float = 2.0e9  # the host's pass over a G accumulator for its norm
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -45,10 +52,13 @@ class OffloadSpec:
     mode: str = "off"
     fraction: float = 1.0
     host: Optional[HostSpec] = None
+    grads: str = "auto"  # the offloaded units' G on the host: "auto" (where the layout lets it), "cpu", "gpu"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise PlanError(f"offload: {self.mode!r} is not one of {MODES}")
+        if self.grads not in GRAD_PLACES:
+            raise PlanError(f"offload.g: {self.grads!r} is not one of {GRAD_PLACES}")
         if not 0 < self.fraction <= 1:
             raise PlanError(f"offload.os_fraction: {self.fraction!r} is not in (0, 1]")
         if self.mode != "off" and self.host is None:
@@ -63,6 +73,23 @@ class OffloadSpec:
         return list(range(num_units + 1))
 
 
+    def grad_choices(self, layout: Layout, world: int) -> list:
+        """Whether the offloaded units' G may be on the host under ``layout``: [False], [True] or both (the solver
+        prices both). [] when this offload requires it and the layout does not allow it."""
+        if self.mode == "off" or self.grads == "gpu":
+            return [False]
+        allowed = grads_may_leave(layout, world)
+        if self.grads == "cpu":
+            return [True] if allowed else []
+        return [False, True] if allowed else [False]
+
+
+def grads_may_leave(layout: Layout, world: int) -> bool:
+    """A unit's G accumulator may live on the host only where its reduction is complete on the GPU, i.e. no replica
+    AllReduce follows the ReduceScatter (s_g = every rank; then s_os = s_g: the G chunk is the OS chunk)."""
+    return layout.g.size == world
+
+
 def offloaded(units: list, k: int) -> list:
     """The parameter counts of the offloaded units (forward order: the root first, then the layers)."""
     return units[len(units) - k:] if k else []
@@ -74,31 +101,56 @@ def hides_behind_forward(layout: Layout) -> bool:
     return layout.os.size == layout.p.size
 
 
-def host_gb(units: list, k: int, s_os: int, train: TrainingSpec) -> float:
-    """Host memory of the offloaded units' OS chunks on this rank: master, moments, the pinned gradient that
-    comes down and the pinned parameter copy that goes up (none for fp32 parameters: the master goes up)."""
+def grad_down_buffer(train: TrainingSpec) -> bool:
+    """G on the host: whether a micro-batch's gradient comes down into a buffer of its own before the host adds it
+    (a window's later micro-batches, or a reduce dtype other than the accumulator's); else straight into it."""
+    return train.grad_accum > 1 or (train.grad_reduce_dtype or train.param_dtype) != (train.grad_accum_dtype
+                                                                                         or train.param_dtype)
+
+
+def host_gb(units: list, k: int, s_os: int, train: TrainingSpec, grads: bool = False) -> float:
+    """Host memory of the offloaded units' OS chunks on this rank: master, moments, the pinned gradient (the copy
+    that comes down at the step, or the G accumulator itself with ``grads``, and then a micro-batch's gradient
+    too where ``grad_down_buffer``) and the pinned parameter copy that goes up (none for fp32 parameters: the
+    master goes up)."""
     up = train.param_bytes if train.param_dtype != "fp32" else 0
-    return sum(offloaded(units, k)) / s_os * (HOST_STATE_BYTES + train.grad_bytes + up) / GIB
+    down = train.reduce_bytes if grads and grad_down_buffer(train) else 0
+    return sum(offloaded(units, k)) / s_os * (HOST_STATE_BYTES + train.grad_bytes + up + down) / GIB
 
 
-def unit_seconds(n: float, s_os: int, train: TrainingSpec, host: HostSpec) -> float:
-    """One offloaded unit of ``n`` parameters: its gradient down, its host update and its parameters up."""
+def unit_seconds(n: float, s_os: int, train: TrainingSpec, host: HostSpec, grads: bool = False) -> float:
+    """One offloaded unit of ``n`` parameters after the step: its gradient down (not with ``grads``: it is on
+    the host already), its host update and its parameters up."""
     per = n / s_os
-    return per / host.update_elems_per_s + per * (train.grad_bytes / host.d2h_gbs + train.param_bytes / host.h2d_gbs) / 1e9
+    down = 0.0 if grads else per * train.grad_bytes / host.d2h_gbs / 1e9
+    return per / host.update_elems_per_s + down + per * train.param_bytes / host.h2d_gbs / 1e9
+
+
+def backward_host_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec) -> float:
+    """G on the host, per step: the host's sums of the offloaded units' micro-batch gradients into their
+    accumulators and the pass that takes their norm at the window's end (each a read of the chunk). The copies
+    down run on a copy engine beside the backward."""
+    per = sum(offloaded(units, k)) / layout.os.size
+    same = (train.grad_reduce_dtype or train.param_dtype) == (train.grad_accum_dtype or train.param_dtype)
+    sums = train.grad_accum - (1 if same else 0)  # the window's first lands in the accumulator when it can
+    return per * (sums / host.accumulate_elems_per_s + 1 / host.norm_elems_per_s)
 
 
 def exposed_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec,
-                    forward_s: float) -> float:
+                    forward_s: float, grads: bool = False, behind_s: float = 0.0) -> float:
     """What a step waits for the host: the offloaded units' transfers and updates, one after another in forward
     order, less what the next forward hides (``hides_behind_forward``): the first units run their forward
-    meanwhile, and an offloaded unit's forward waits only for its own update."""
+    meanwhile, and an offloaded unit's forward waits only for its own update. With ``grads``, the host's work on
+    the gradients (``backward_host_seconds``) where it outlasts the GPU work it runs beside (``behind_s``: the
+    window's compute from the first gradient on)."""
     off = offloaded(units, k)
     if not off:
         return 0.0
     s_os = layout.os.size
-    times = [unit_seconds(n, s_os, train, host) for n in off]
+    times = [unit_seconds(n, s_os, train, host, grads) for n in off]
+    behind = max(0.0, backward_host_seconds(units, k, layout, train, host) - behind_s) if grads else 0.0
     if not hides_behind_forward(layout):
-        return sum(times)
+        return sum(times) + behind
     total = sum(units)
     per_unit_fwd = [forward_s * n / total for n in units]
     t = sum(per_unit_fwd[:len(units) - k])  # the resident units' forward runs while the host works
@@ -106,4 +158,4 @@ def exposed_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, ho
     for upd, fwd in zip(times, per_unit_fwd[len(units) - k:]):
         done += upd
         t = max(t, done) + fwd
-    return max(0.0, t - forward_s)
+    return max(0.0, t - forward_s) + behind

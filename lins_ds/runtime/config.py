@@ -134,29 +134,35 @@ OFFLOAD_KEYS = ("os", "os_fraction", "p", "g")
 
 
 def _offload(key, value):
-    """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f}: (mode, fraction)."""
+    """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f, "g": "cpu" | "gpu"}: (mode, fraction,
+    where the offloaded units' gradients go: "auto" (the solver's choice), "cpu" or "gpu")."""
     if value == "auto":
-        return ("auto", 1.0)
+        return ("auto", 1.0, "auto")
     if value is False:
-        return ("off", 1.0)
+        return ("off", 1.0, "gpu")
     if not isinstance(value, dict):
         _bad(key, value, "\"auto\", false or {\"os\": \"cpu\", \"os_fraction\": 0.5}")
     unknown = sorted(set(value) - set(OFFLOAD_KEYS))
     if unknown:
         raise LinsConfigError(f"lins.offload.{unknown[0]}: unknown key (known keys: {', '.join(OFFLOAD_KEYS)})")
-    for state in ("p", "g"):
-        if value.get(state, "gpu") != "gpu":
-            raise LinsConfigError(
-                f"lins.offload.{state}: {value[state]!r} is not supported: Lins offloads the optimizer state "
-                "(\"os\"); parameters and gradients stay on the GPU (gradients leave it once final, for the "
-                "host update). Use \"gpu\" or leave the key out")
+    if value.get("p", "gpu") != "gpu":
+        raise LinsConfigError(
+            f"lins.offload.p: {value['p']!r} is not supported: Lins offloads the optimizer state (\"os\") and the "
+            "gradients (\"g\"); parameters stay on the GPU. Use \"gpu\" or leave the key out")
+    grads = value.get("g", "auto")
+    if grads not in ("cpu", "gpu", "auto"):
+        _bad(f"{key}.g", grads, "\"cpu\" (the offloaded units' gradients on the host), \"gpu\", or left out "
+             "(the solver decides)")
     where = value.get("os", "cpu")
     if where not in ("cpu", "gpu"):
         _bad(f"{key}.os", where, "\"cpu\" or \"gpu\"")
     fraction = value.get("os_fraction", 1.0)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         _bad(f"{key}.os_fraction", fraction, "a number in (0, 1]: the fraction of units whose OS is on the host")
-    return ("fixed", float(fraction)) if where == "cpu" else ("off", 1.0)
+    if where != "cpu" and grads == "cpu":
+        _bad(f"{key}.g", grads, "\"cpu\" only with \"os\": \"cpu\" (a unit's gradients go to the host with its "
+             "optimizer state)")
+    return ("fixed", float(fraction), grads) if where == "cpu" else ("off", 1.0, "gpu")
 
 
 def _rule(default, rule: Callable, doc: str, shown: Optional[str] = None):
@@ -211,9 +217,9 @@ class LinsConfig:
                                      "`false` waits in `step()`")
     init: str = _rule("eager", _one_of(("eager", "per_module")), "values of a model built under `lins_ds.init`: "
                       "the eager build's, or `\"per_module\"` (each module's init, seeded by its name; faster)")
-    offload: tuple = _rule(("auto", 1.0), _offload,
-                           "optimizer state on the host: `\"auto\"` (the solver decides; never on CPUs), `false`, "
-                           "or `{\"os\": \"cpu\", \"os_fraction\": f}`", "`\"auto\"`")
+    offload: tuple = _rule(("auto", 1.0, "auto"), _offload,
+                           "optimizer state and gradients on the host: `\"auto\"` (the solver decides; never on CPUs), "
+                           "`false`, or `{\"os\": \"cpu\", \"os_fraction\": f, \"g\": \"cpu\"}`", "`\"auto\"`")
     host_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib),
                                             "host memory offload may pin per node (GiB)", "what is free")
     host_optimizer: str = _rule("auto", _one_of(("auto", "torch", "deepspeed")),

@@ -221,7 +221,7 @@ class Executor:
             self._reducing.append((unit, staging))
             self._complete_reduce_scatters(keep=IN_FLIGHT_REDUCE_SCATTERS)
         else:
-            self._recycle(staging)
+            self._recycle(unit, staging)
             self._after_reduce(unit)
 
     def _complete_reduce_scatters(self, keep: int = 0) -> None:
@@ -229,7 +229,7 @@ class Executor:
         while len(self._reducing) > keep:
             unit, staging = self._reducing.popleft()
             unit.finish_reduce()
-            self._recycle(staging)
+            self._recycle(unit, staging)
             self._after_reduce(unit)
 
     def _after_reduce(self, unit: Unit) -> None:
@@ -245,13 +245,18 @@ class Executor:
 
     def _staging(self, unit: Unit) -> torch.Tensor:
         """A buffer for the unit's flat gradients: from the pool of layer-sized buffers, or, for a larger unit
-        (the root, reduced when the backward ends), its own, freed when its reduction completes."""
-        if unit.spec.padded > self._pool_size:
+        (the root, reduced when the backward ends) or one whose staged gradients go down to its G accumulator on
+        the host (a copy still reads them after the reduction), its own, freed when that is done."""
+        if unit.spec.padded > self._pool_size or self._goes_down(unit):
             return torch.empty(unit.spec.padded, dtype=self.reduce_dtype, device=unit.device)
         if self._free_staging:
             return self._free_staging.pop()
         return torch.empty(self._pool_size, dtype=self.reduce_dtype, device=unit.device)
 
-    def _recycle(self, staging) -> None:
-        if staging is not None and staging.numel() == self._pool_size:
+    @staticmethod
+    def _goes_down(unit: Unit) -> bool:
+        return unit.host_grads is not None and not unit.sharded_g
+
+    def _recycle(self, unit: Unit, staging) -> None:
+        if staging is not None and staging.numel() == self._pool_size and not self._goes_down(unit):
             self._free_staging.append(staging)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import queue
 import sys
 import threading
 from contextlib import nullcontext
@@ -149,13 +150,171 @@ def update_piece(opt: HostOptimizer, master: torch.Tensor, grad: torch.Tensor, u
         up.copy_(master.data)
 
 
+def square_sum(acc: torch.Tensor, scratch: torch.Tensor) -> float:
+    """The squared L2 norm of ``acc``, summed in fp32 piece by piece through ``scratch`` (no fp32 copy of the whole
+    chunk)."""
+    total = 0.0
+    for a in range(0, acc.numel(), HOST_PIECE):
+        piece = acc[a:a + HOST_PIECE]
+        if piece.dtype != torch.float32:
+            piece = scratch[:piece.numel()].copy_(piece)
+        total += float(torch.dot(piece, piece))
+    return total
+
+
+class HostGrads:
+    """The G accumulators of the units whose gradients live on the host (the plan's ``offload_grads``), in pinned
+    host memory, and the thread that adds each micro-batch's gradient into them (docs/design.md §13).
+
+    ``push`` (the training thread, as a unit's reduction completes in a backward) sends the unit's reduced chunk
+    down on a copy stream: straight into the accumulator where it is the window's first and of its dtype, else into
+    the unit's down buffer, which the thread adds (or copies, converting) into the accumulator. On the backward that
+    ends the window the thread then takes the accumulator's squared norm, so that the step finds the global
+    gradient norm without another pass over host memory. Only layouts without a replica AllReduce place G here
+    (``lins_ds.plan.offload.grads_may_leave``): the chunk that comes down is final for this micro-batch."""
+
+    def __init__(self, units: list, accum_dtype: torch.dtype, device: torch.device):
+        self.device, self.accum_dtype = device, accum_dtype
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.acc = {u: host_empty(self._size(u), accum_dtype, device).zero_() for u in units}
+        self._down: dict = {}  # unit -> the buffer a micro-batch's gradient lands in before the thread adds it
+        self._free = {u: threading.Event() for u in units}  # the thread is done with the unit's down buffer
+        for ev in self._free.values():
+            ev.set()
+        self._count = dict.fromkeys(units, 0)  # micro-batches pushed in this window
+        self._sq: dict = {}  # unit -> the window's squared norm, once the backward that ends it pushed the unit
+        self._scratch = torch.empty(min(HOST_PIECE, max((a.numel() for a in self.acc.values()), default=0)),
+                                    dtype=torch.float32)
+        self._queue: "queue.Queue" = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="lins-host-grads", daemon=True)
+        self._thread.start()
+        self.ends_window = True
+        self.waited_s = 0.0  # how long the training thread has blocked on the host's gradient work, in total
+
+    @staticmethod
+    def _size(unit) -> int:
+        return unit.spec.g_size if unit.sharded_g else unit.spec.padded
+
+    def units(self) -> list:
+        return list(self.acc)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.acc.values()) + sum(t.nbytes for t in self._down.values())
+
+    def push(self, unit, src: torch.Tensor) -> None:
+        """``src``, this micro-batch's reduced gradient of ``unit`` (its G chunk, on the device), towards the unit's
+        host accumulator. ``src`` may be freed by the caller at once (its memory is kept for the copy)."""
+        first = self._count[unit] == 0
+        if first:  # the last step's host update of this unit reads the accumulator: done with it first
+            unit.wait_host_update()
+        direct = first and src.dtype == self.accum_dtype
+        if direct:
+            dst = self.acc[unit]
+        else:
+            self._wait(self._free[unit].wait)
+            if unit not in self._down:
+                self._down[unit] = host_empty(src.numel(), src.dtype, self.device)
+            dst = self._down[unit]
+            self._free[unit].clear()
+        cs = self.copy_stream
+        if cs is not None:
+            cs.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(cs):
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(cs)
+                ev = torch.cuda.Event()
+                ev.record(cs)
+        else:
+            dst.copy_(src)
+            ev = None
+        self._count[unit] += 1
+        op = None if direct else ("copy" if first else "add")
+        self._queue.put((unit, ev, op, self.ends_window))
+
+    test_delay_s = 0.0  # tests: the thread starts each item this late (a slow host)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:  # close()
+                self._queue.task_done()
+                return
+            unit, ev, op, last = item
+            try:
+                if self.test_delay_s:
+                    time.sleep(self.test_delay_s)
+                if self._error is None:
+                    if ev is not None:
+                        ev.synchronize()
+                    acc = self.acc[unit]
+                    with torch.no_grad():
+                        if op == "copy":
+                            acc.copy_(self._down[unit])
+                        elif op == "add":
+                            acc.add_(self._down[unit])
+                    if last:
+                        self._sq[unit] = square_sum(acc, self._scratch)
+                    else:
+                        self._sq.pop(unit, None)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by square_sum()
+                self._error = e
+            finally:
+                if op is not None:  # it read the down buffer: the next push may write it
+                    self._free[unit].set()
+                self._queue.task_done()
+
+    def square_sum(self) -> float:
+        """At the step: every push of the window added up, and the squared norm of every host accumulator (a
+        unit no backward of the window reached holds zeros). NaN if the thread failed (``error()`` says why: the
+        caller raises on every rank after the norm's collective)."""
+        self._wait(self._queue.join)
+        if self._error is not None:
+            return float("nan")
+        total = 0.0
+        for unit, acc in self.acc.items():
+            if self._count[unit] == 0:
+                unit.wait_host_update()
+                acc.zero_()
+                self._sq[unit] = 0.0
+            elif unit not in self._sq:  # the window ended without a backward that said so (no_sync, then step)
+                self._sq[unit] = square_sum(acc, self._scratch)
+            total += self._sq[unit]
+        return total
+
+    def _wait(self, block) -> None:
+        t0 = time.perf_counter()
+        block()
+        self.waited_s += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        """After the step: the next window starts (the accumulators keep their values for the host update)."""
+        self._queue.join()
+        self._count = dict.fromkeys(self.acc, 0)
+        self._sq.clear()
+
+    def error(self) -> str:
+        """Why the thread failed ('' when it did not)."""
+        return "" if self._error is None else f"lins: adding gradients on the host failed: {self._error!r}"
+
+    def close(self) -> None:
+        """The thread ends (idempotent); the buffers go with this object (a re-layout, or another placement, builds
+        new ones)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._queue.join()
+
+
 class HostSlice:
-    """One offloaded piece of an ``OSRange``: its pinned gradient (down), its parameter-dtype copy (up)."""
+    """One offloaded piece of an ``OSRange``: its pinned gradient (down at the step; where the unit's G lives on the
+    host, a view into its accumulator), its parameter-dtype copy (up)."""
 
     def __init__(self, master, device: torch.device):
         self.master = master  # a MasterSlice whose param lives on the host
         n, dtype = master.param.numel(), master.range.unit.dtype
-        self.grad = host_empty(n, master.range.unit.accum_dtype, device)
+        unit = master.range.unit
+        self.on_host = unit.host_grads is not None
+        self.grad = master.range.grads() if self.on_host else host_empty(n, unit.accum_dtype, device)
         self.up = None if dtype == torch.float32 else host_empty(n, dtype, device)
 
 
@@ -187,7 +346,7 @@ class HostUpdater:
         for _, slices in self.by_unit:
             for s in slices:
                 m = s.master.param
-                n += m.nbytes + s.grad.nbytes + (s.up.nbytes if s.up is not None else 0)
+                n += m.nbytes + (0 if s.on_host else s.grad.nbytes) + (s.up.nbytes if s.up is not None else 0)
                 n += sum(v.nbytes for v in self.opt.opt.state.get(m, {}).values() if torch.is_tensor(v) and v.dim())
         return n
 
@@ -199,9 +358,15 @@ class HostUpdater:
             cs.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(cs) if cs is not None else nullcontext():
             self.coef.copy_(coef.reshape(1), non_blocking=cs is not None)
+            coef_ready = None
             if cs is not None:
                 coef.record_stream(cs)
+                coef_ready = torch.cuda.Event()
+                coef_ready.record(cs)
             for unit, slices in self.by_unit:
+                if unit.host_grads is not None:  # its gradient is on the host already
+                    events.append(coef_ready)
+                    continue
                 for s in slices:
                     s.grad.copy_(s.master.range.grads(), non_blocking=cs is not None)
                 if cs is not None:
@@ -285,7 +450,8 @@ class HostUpdater:
             self._thread = None
 
 
-def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: int = 1 << 24) -> tuple:
+def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: int = 1 << 24,
+            grad_dtypes: tuple = (torch.bfloat16, torch.bfloat16)) -> tuple:
     """(HostSpec, host optimizer kind): this host's offload speeds, timed here: the host optimizer's update of ``elems`` fp32 elements (a unit's
     piece) and pinned copies of a bf16 tensor of that size each way. ``kind`` "auto" tries torch's fused Adam and
     DeepSpeedCPUAdam, and keeps DeepSpeedCPUAdam only if ``PREFER_DEEPSPEED`` times faster: its update holds the
@@ -306,7 +472,8 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: i
         raise LinsConfigError(f"lins.offload: no host optimizer can update {type(basic).__name__} on this host "
                               "(torch's CPU Adam needs an Adam; another optimizer must step on CPU tensors)")
     h2d, d2h = _time_copies(device, elems)
-    return HostSpec(capacity_gb, best[0], h2d, d2h, best[1], f"measured on {device.type}"), best[2]
+    return HostSpec(capacity_gb, best[0], h2d, d2h, best[1], f"measured on {device.type}",
+                    *_time_accumulate(device, elems, *grad_dtypes)), best[2]
 
 
 def _time_update(basic, kind: str, device: torch.device, elems: int) -> tuple:
@@ -322,6 +489,22 @@ def _time_update(basic, kind: str, device: torch.device, elems: int) -> tuple:
     for _ in range(3):
         update_piece(opt, p, grad, up, scratch, 1.0, hyper)
     return 3 * elems / (time.perf_counter() - t0), opt.name
+
+
+def _time_accumulate(device: torch.device, elems: int, accum: torch.dtype, reduce: torch.dtype) -> tuple:
+    """Elements per second of ``HostGrads``' work for a unit whose gradients live on the host: the sum of a
+    micro-batch's gradient (``reduce`` dtype, pinned) into its G accumulator (``accum``), and the norm pass."""
+    down = host_empty(elems, reduce, device).fill_(1e-3)
+    acc = host_empty(elems, accum, device).zero_()
+    scratch = torch.empty(min(elems, HOST_PIECE), dtype=torch.float32)
+    rates = []
+    for work in (lambda: acc.add_(down), lambda: square_sum(acc, scratch)):
+        work()  # warm-up: page faults
+        t0 = time.perf_counter()
+        for _ in range(3):
+            work()
+        rates.append(3 * elems / (time.perf_counter() - t0))
+    return tuple(rates)
 
 
 def _time_copies(device: torch.device, elems: int) -> tuple:

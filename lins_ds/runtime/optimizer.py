@@ -277,7 +277,8 @@ class LinsOptimizer(ZeROOptimizer):
         if self.host is None:
             return 0.0
         self.host.join()
-        return self.host.nbytes() / 2**30
+        grads = self.runtime.host_grads
+        return (self.host.nbytes() + (grads.nbytes() if grads is not None else 0)) / 2**30
 
     def _grad_norm(self, inv_scale: float) -> torch.Tensor:
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""
@@ -285,7 +286,16 @@ class LinsOptimizer(ZeROOptimizer):
         sq = torch.zeros((), dtype=torch.float32, device=rt.device)
         for g in rt.os_grads():  # accumulated in fp32 without an fp32 copy of the chunk
             sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32).square()
+        host = rt.host_grad_square_sum()  # G on the host: taken there as the gradients came down (docs/design.md §13)
+        if host:
+            sq += host
         comm.all_reduce(rt.groups, "world", sq, tag="grad-norm")  # every OS chunk is held by world/s_os replicas
+        if rt.host_grads is not None:  # a host failure on one rank raises on every rank, after the collective
+            error = rt.host_grad_error()
+            if rt.topo.world_size > 1:
+                error = comm.agree(error or None)
+            if error:
+                raise RuntimeError(error)
         return (sq / rt.os_replicas).sqrt() * inv_scale
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ from .. import comm, dtypes
 from ..plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                     load_model, solve)
 from ..plan.offload import HostSpec, OffloadSpec
-from ..plan.solver import NoFeasiblePlan, evaluate, fewest_offloaded
+from ..plan.solver import Evaluation, NoFeasiblePlan, best_placement, evaluate, fewest_offloaded_placed
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
 from ..plan.memory import ActivationProfile
@@ -160,9 +160,27 @@ class SolveContext:
         return solve(self.model, self.topo, self.train, mem, self.table, self.compute, layouts=self.layouts,
                      objective=self.objective, activations=self.activations, offload=self.offload)
 
-    def evaluate(self, layout, ckpt_units: int, offload_units: int = 0):
-        return evaluate(self.topo, layout, ckpt_units, self.model, self.train, self.mem, self.table, self.compute,
-                        self.objective, self.activations, offload_units=offload_units, offload=self.offload)
+    def grad_choices(self, layout) -> list:
+        grads = self.offload.grad_choices(layout, self.topo.world_size)
+        if not grads:
+            raise LinsConfigError(f"lins.offload.g: \"cpu\" needs a layout whose G is sharded over every rank (no "
+                                  f"replica AllReduce after the ReduceScatter); {layout} on {self.topo.world_size} "
+                                  "ranks is not")
+        return grads
+
+    def evaluate(self, layout, ckpt_units: int, offload_units: int = 0, grads: Optional[bool] = None):
+        """The plan of ``layout`` with ``ckpt_units`` checkpointed and ``offload_units`` offloaded, their gradients on
+        the host or not (``grads``; None: where the offload allows and the solver prefers, ``best_placement``)."""
+        choices = [grads] if grads is not None else self.grad_choices(layout) if offload_units else [False]
+        return best_placement([evaluate(self.topo, layout, ckpt_units, self.model, self.train, self.mem, self.table,
+                                        self.compute, self.objective, self.activations, offload_units=offload_units,
+                                        offload=self.offload, offload_grads=g) for g in choices])
+
+    def fewest_offloaded(self, layout, ckpt_units: int) -> Evaluation:
+        """The fastest of the fewest offloaded units that fit, per placement of their gradients."""
+        e, _ = fewest_offloaded_placed(lambda o, g: self.evaluate(layout, ckpt_units, o, g),
+                                       self.offload.choices(len(self.model.unit_params())), self.grad_choices(layout))
+        return e
 
 
 def host_capacity_gb(cfg: LinsConfig) -> float:
@@ -172,10 +190,10 @@ def host_capacity_gb(cfg: LinsConfig) -> float:
     return node / max(1, comm.local_world_size())
 
 
-def offload_spec(basic, cfg: LinsConfig, device: torch.device) -> tuple:
+def offload_spec(basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tuple = (torch.bfloat16,) * 2) -> tuple:
     """(OffloadSpec, host optimizer kind): lins.offload with this host's speeds, measured on every rank and
     rank 0's kept (every rank must price the same plan); "auto" never offloads on a CPU device."""
-    mode, fraction = cfg.offload
+    mode, fraction, grads = cfg.offload
     if mode == "auto" and device.type != "cuda":
         mode = "off"
     if mode == "off":
@@ -183,9 +201,9 @@ def offload_spec(basic, cfg: LinsConfig, device: torch.device) -> tuple:
     capacity = host_capacity_gb(cfg)
     if device.type != "cuda":
         kind = "torch" if cfg.host_optimizer == "auto" else cfg.host_optimizer
-        return OffloadSpec(mode, fraction, HostSpec(capacity, source="assumed: a CPU device")), kind
+        return OffloadSpec(mode, fraction, HostSpec(capacity, source="assumed: a CPU device"), grads), kind
     try:
-        found, error = offload.measure(basic, cfg.host_optimizer, device, capacity), None
+        found, error = offload.measure(basic, cfg.host_optimizer, device, capacity, grad_dtypes=grad_dtypes), None
     except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
         found, error = None, str(e) if isinstance(e, LinsConfigError) else f"lins.offload: {type(e).__name__}: {e}"
     error = comm.agree(error)
@@ -195,7 +213,7 @@ def offload_spec(basic, cfg: LinsConfig, device: torch.device) -> tuple:
     if error:
         raise LinsConfigError(error)
     host, kind = comm.broadcast_object(found)
-    return OffloadSpec(mode, fraction, host), kind
+    return OffloadSpec(mode, fraction, host, grads), kind
 
 
 def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
@@ -225,7 +243,10 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
     if not plan.offload_units or host is None:
         return ""
     return (f"\n  offload: host optimizer {host.optimizer}, {host.update_elems_per_s / 1e9:.2f} G elements/s; "
-            f"copies {host.h2d_gbs:.1f} GB/s up, {host.d2h_gbs:.1f} GB/s down ({host.source}); "
+            f"copies {host.h2d_gbs:.1f} GB/s up, {host.d2h_gbs:.1f} GB/s down"
+            + (f", gradient sums {host.accumulate_elems_per_s / 1e9:.2f} and norms {host.norm_elems_per_s / 1e9:.2f} G "
+               "elements/s" if plan.offload_grads else "")
+            + f" ({host.source}); "
             f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}")
 
 
@@ -261,14 +282,19 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
     summary = (f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {layout}"
                + (f", {k} of {n} layer units checkpointed" if k else ""))
     spec = offload[0] if offload is not None else OffloadSpec()
+    if spec.mode == "fixed" and not spec.grad_choices(layout, topo.world_size):
+        raise LinsConfigError(f"lins.offload.g: \"cpu\" keeps gradients on the host, which needs G sharded over "
+                              f"every rank (no replica AllReduce after the ReduceScatter); the fixed layout {layout} "
+                              f"shards G {layout.g.size} ways on {topo.world_size} ranks")
     try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
         table = get_cluster(cfg.cluster).table(cost.required_meshes(topo, [layout]))
         context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table, offload)
     except PlanError as e:  # a prediction never blocks a fixed plan; a fixed offload still applies
         if spec.mode == "fixed":
-            plan = dataclasses.replace(plan, offload_units=spec.choices(n + 1)[0])
+            plan = dataclasses.replace(plan, offload_units=spec.choices(n + 1)[0],
+                                       offload_grads=spec.grad_choices(layout, topo.world_size) == [True])
         return plan, summary + _fixed_offload_note(plan) + f" (memory not predicted: {e})", None
-    e, _ = fewest_offloaded(lambda o: context.evaluate(layout, k, o), spec.choices(len(context.model.unit_params())))
+    e = context.fewest_offloaded(layout, k)
     if spec.mode == "auto" and not e.fits_gpu:  # offload does not make this layout fit: none (the guard warns)
         e = context.evaluate(layout, k, 0)
     if e.memory.host_gb > e.host_capacity_gb:
@@ -277,7 +303,7 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
                               "(lins.host_memory_gb / ranks per node)")
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
                                memory_profile=e.memory.activation_source, offload_units=e.offload_units,
-                               host_gb=e.memory.host_gb)
+                               host_gb=e.memory.host_gb, offload_grads=e.offload_grads)
     summary += _fixed_offload_note(plan)
     summary += (f"; predicted peak {e.memory.allocated_gb:.2f} GiB allocated, {e.memory.total_gb:.2f} GiB with "
                 f"margin and reserve (activations: {context.activations_note})")
@@ -287,7 +313,8 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
 
 
 def _fixed_offload_note(plan: Plan) -> str:
-    return f"; optimizer state of the last {plan.offload_units} unit(s) on the host" if plan.offload_units else ""
+    what = "optimizer state and gradients" if plan.offload_grads else "optimizer state"
+    return f"; {what} of the last {plan.offload_units} unit(s) on the host" if plan.offload_units else ""
 
 
 class NoPlanFits(LinsConfigError):
@@ -307,7 +334,8 @@ def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_d
                 return plan, summary, context, "torch"
         except NoPlanFits as e:
             gpu_only = e
-    offload = offload_spec(engine.basic_optimizer, cfg, torch.device(engine.device))
+    reduce = dtypes.TORCH[cfg.grad_reduce_dtype or param_dtype]
+    offload = offload_spec(engine.basic_optimizer, cfg, torch.device(engine.device), (accum_dtype, reduce))
     if gpu_only is not None and offload[0].mode == "off":  # a CPU device, or no host optimizer runs here
         if isinstance(gpu_only, NoPlanFits):
             raise gpu_only

@@ -21,12 +21,12 @@ import torch
 from .. import comm
 from ..plan import Plan
 from ..plan.layout import is_first_replica
-from ..plan.offload import hides_behind_forward
+from ..plan.offload import grads_may_leave, hides_behind_forward
 from . import init_replay
 from .assign import assign_units, build_unit
 from .executor import Executor, Phase, Progress
 from .materialize import Materializer, is_deferred
-from .offload import HOST_PIECE
+from .offload import HOST_PIECE, HostGrads
 from .unit import ParamState
 
 
@@ -75,9 +75,8 @@ class LinsRuntime:
         self.progress = Progress()
         self._executor = Executor(self.module, root, layers, self._reduce_dtype, self.progress)
         self.os_replicas = self.topo.world_size // self.layout.os.size
-        # the plan's last offload_units units keep their OS on the host (forward order: root first)
-        k = min(plan.offload_units, len(self.units))
-        self.host_units = self.units[len(self.units) - k:] if k else []
+        self.host_grads = None
+        self._place(plan)
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
 
@@ -87,8 +86,25 @@ class LinsRuntime:
         if plan.layout != self.layout or plan.topology != self.topo:
             raise ValueError(f"replan: {plan.layout} on {plan.topology} is another layout; use relayout")
         self.plan = plan
+        self._place(plan)
+
+    def _place(self, plan: Plan) -> None:
+        """The plan's last ``offload_units`` units keep their OS on the host (forward order: root first), and with
+        ``offload_grads`` their G accumulators too (``HostGrads``); every other unit's G on the device."""
         k = min(plan.offload_units, len(self.units))
         self.host_units = self.units[len(self.units) - k:] if k else []
+        grads = self.host_units if plan.offload_grads else []
+        if grads and not grads_may_leave(self.layout, self.topo.world_size):
+            raise ValueError(f"lins: plan keeps gradients on the host, which {self.layout} on {self.topo.world_size} "
+                             "ranks does not allow (a replica AllReduce follows its ReduceScatter)")
+        if self.host_grads is not None and self.host_grads.units() == grads:
+            return  # the same units keep their host accumulators
+        if self.host_grads is not None:
+            self.host_grads.close()
+            self.host_grads = None
+        self.host_grads = HostGrads(grads, self._accum_dtype, self.device) if grads else None
+        for unit in self.units:
+            unit.place_grads(self.host_grads if unit in grads else None)
 
     def relayout(self, plan: Plan) -> None:
         """Drop this plan's units, groups and hooks and build ``plan``'s on the same module (every rank calls
@@ -107,7 +123,9 @@ class LinsRuntime:
             self.groups.destroy()
         for unit in self.units:
             unit.free()
-        self.units, self.host_units = [], []
+        if self.host_grads is not None:
+            self.host_grads.close()
+        self.units, self.host_units, self.host_grads = [], [], None
 
     @property
     def destroyed(self) -> bool:
@@ -124,6 +142,8 @@ class LinsRuntime:
     # --- the steps of training, one caller each (module docstring) ----------------------------
     def begin_backward(self) -> None:
         self.progress.phase, self.progress.ends_window = Phase.BACKWARD, self._ends_window()
+        if self.host_grads is not None:
+            self.host_grads.ends_window = self.progress.ends_window
         self._executor.begin_backward()
 
     def end_backward(self) -> None:
@@ -160,6 +180,8 @@ class LinsRuntime:
         self.progress.phase = Phase.FORWARD
 
     def zero_gradients(self) -> None:
+        if self.host_grads is not None:
+            self.host_grads.reset()
         for unit in self.units:
             unit.reset_grads()
 
@@ -187,8 +209,17 @@ class LinsRuntime:
         return out
 
     def os_grads(self) -> list:
-        """Each unit's accumulated gradient of this rank's OS chunk (padding included, which stays zero)."""
-        return [u.os_grad() for u in self.units]
+        """Each unit's accumulated gradient of this rank's OS chunk (padding included, which stays zero), on the
+        device: the units whose G lives on the host are not among them (``host_grad_square_sum``)."""
+        return [u.os_grad() for u in self.units if u.host_grads is None]
+
+    def host_grad_square_sum(self) -> float:
+        """The squared L2 norm of this rank's host G accumulators for the window (0.0 with none; NaN where the host
+        failed, ``host_grad_error``); at the step."""
+        return self.host_grads.square_sum() if self.host_grads is not None else 0.0
+
+    def host_grad_error(self) -> str:
+        return self.host_grads.error() if self.host_grads is not None else ""
 
     def param_groups_by_name(self) -> dict:
         """Trainable parameter name -> optimizer param group index."""
@@ -216,6 +247,8 @@ class LinsRuntime:
         self.wait()
         self._executor.remove_hooks()
         self.groups.destroy()
+        if self.host_grads is not None:
+            self.host_grads.close()
         if self.layout.p.size > 1:  # the module keeps only this rank's P chunks: refuse to run it
             self.module.register_forward_pre_hook(_sharded_after_destroy)
 

@@ -14,7 +14,8 @@ The unit owns its state; callers ask for transitions, and each transition checks
                 optimizer writes the P chunk; the unit's next use waits for it, docs/design.md §13)
                 (s_p == 1: GATHERED --start_param_sync--> SYNCING --wait_param_sync--> GATHERED)
     gradients   ACCUMULATING --start_reduce--> REDUCING --finish_reduce--> REDUCED
-                (s_g == 1: start_reduce goes straight to REDUCED)
+                (s_g == 1: start_reduce goes straight to REDUCED; G on the host: the reduced chunk goes down to the
+                unit's host accumulator, ``HostGrads.push``, docs/design.md §13)
                 REDUCED --begin_backward--> ACCUMULATING              (the next micro-batch of the window)
                 REDUCED --start_replica_reduce--> REPLICA_REDUCING --finish_replica_reduce--> FINAL
                 (one replica: start_replica_reduce goes straight to FINAL)
@@ -164,8 +165,9 @@ class Unit:
             self.p_shard = self.full[spec.p_start:spec.p_start + spec.p_size].clone()
         # s_g == 1 and gradients accumulate in the parameter dtype: each .grad is a view into the accumulator, so
         # autograd accumulates in place and nothing is copied (DDP's gradient_as_bucket_view)
-        self.in_place = not self.sharded_g and accum_dtype == self.dtype
         self.accum_dtype, self._g_acc, self._grad_views = accum_dtype, None, None
+        self.host_grads = None  # the HostGrads holding this unit's G accumulator, where the plan puts it on the host
+        self.in_place = not self.sharded_g and accum_dtype == self.dtype
         self.param_state, self.grad_state = ParamState.GATHERED, GradState.ACCUMULATING
         self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
         self._no_grad: set = set()  # parameters this backward does not reach (counted in _pending)
@@ -249,6 +251,12 @@ class Unit:
         self._expect(self.param_state, (self._at_rest,), "begin_host_update")
         self._host, self.param_state = host, ParamState.UPDATING
 
+    def wait_host_update(self) -> None:
+        """Block until the host optimizer is done with this unit (its G accumulator on the host may be written
+        again); the unit stays UPDATING until its next use finishes the update (``finish_host_update``)."""
+        if self.param_state is ParamState.UPDATING:
+            self._host.wait(self)
+
     def finish_host_update(self) -> None:
         """Wait for the host optimizer's update of this unit (its P chunk then current on this device's stream;
         the P-sync, where there is one, is the caller's)."""
@@ -282,10 +290,23 @@ class Unit:
         self.full = self.p_shard = self._g_acc = self._grad_views = None
 
     # --- gradients -------------------------------------------------------------------------
+    def place_grads(self, host_grads) -> None:
+        """Where the G accumulator lives from the next window on: on the host, in ``host_grads`` (a HostGrads), or
+        on the device (None). Only between windows, with no gradient held."""
+        self._expect(self.grad_state, (GradState.ACCUMULATING,), "place_grads")
+        if self._g_acc is not None or self._pending:
+            raise UnitStateError(f"lins: unit {self.name}: place_grads while it holds gradients")
+        self.host_grads, self._grad_views = host_grads, None
+        self.in_place = host_grads is None and not self.sharded_g and self.accum_dtype == self.dtype
+        self.attach_grads()
+
     @property
     def g_acc(self) -> torch.Tensor:
         """The G accumulator: allocated when the window's first gradient of this unit arrives, freed after the
-        optimizer step (``reset_grads``), so that a backward's start, where activations peak, holds none."""
+        optimizer step (``reset_grads``), so that a backward's start, where activations peak, holds none. Where the
+        plan keeps it on the host, the host's (``HostGrads``), current once the step has begun."""
+        if self.host_grads is not None:
+            return self.host_grads.acc[self]
         if self._g_acc is None:
             size = self.spec.g_size if self.sharded_g else self.spec.padded
             self._g_acc = torch.zeros(size, dtype=self.accum_dtype, device=self.device)
@@ -365,7 +386,7 @@ class Unit:
             return False
         flat = self._stage(staging)
         if not self.sharded_g:
-            self.g_acc.add_(flat)
+            self._accumulate(flat)
             self.grad_state = GradState.REDUCED
             return False
         out = torch.empty(self.spec.g_size, dtype=self.reduce_dtype, device=self.device)
@@ -380,9 +401,16 @@ class Unit:
         work, out = self._reduce
         if work is not None:
             work.wait()
-        self.g_acc.add_(out)
+        self._accumulate(out)
         self._reduce = None
         self.grad_state = GradState.REDUCED
+
+    def _accumulate(self, chunk: torch.Tensor) -> None:
+        """This backward's reduced G chunk into the accumulator: on the device, or down to the host's."""
+        if self.host_grads is not None:
+            self.host_grads.push(self, chunk)
+        else:
+            self.g_acc.add_(chunk)
 
     def start_replica_reduce(self) -> bool:
         """The G chunk is final for this accumulation window: AllReduce it over its replicas. True when the
