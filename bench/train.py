@@ -190,7 +190,7 @@ def offload_summary(engine, steps: int):
     grads = engine.lins.host_grads
     return {"host_gb": engine.optimizer.host_gb(), "predicted_host_gb": engine.lins.plan.host_gb,
             "offload_units": engine.lins.plan.offload_units, "units": len(engine.lins.units),
-            "offload_grads": engine.lins.plan.offload_grads,
+            "offload_grads": engine.lins.plan.offload_grads, "offload_params": engine.lins.plan.offload_params,
             "host_optimizer": host.opt.name, "worker_s_last_step": host.last_update_s,
             "waited_s_per_step": host.waited_s / max(1, steps),
             "grads_waited_s_per_step": grads.waited_s / max(1, steps) if grads is not None else 0.0}

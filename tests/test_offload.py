@@ -31,6 +31,9 @@ HALF = {"os": "cpu", "os_fraction": 0.5}
 CPU_G = {"os": "cpu", "g": "cpu"}  # G accumulated on the host too (layouts whose G is sharded over every rank)
 CPU_NOT_G = {"os": "cpu", "g": "gpu"}
 HALF_G = {"os": "cpu", "os_fraction": 0.5, "g": "cpu"}
+CPU_P = {"os": "cpu", "p": "cpu"}  # P on the host too (s_p = s_os: REPLICATED, ALL_SHARDED)
+CPU_GP = {"os": "cpu", "g": "cpu", "p": "cpu"}  # all three (ALL_SHARDED: ZeRO-3 offload's placement)
+HALF_GP = {"os": "cpu", "os_fraction": 0.5, "g": "cpu", "p": "cpu"}
 UNITS = 3  # the tiny LLaMA: the root and 2 layers
 
 
@@ -44,6 +47,10 @@ def expected_grad_units(offload) -> int:
     return expected_units(offload) if offload and offload.get("g") == "cpu" else 0
 
 
+def expected_param_units(offload) -> int:
+    return expected_units(offload) if offload and offload.get("p") == "cpu" else 0
+
+
 def offload_facts(engine) -> dict:
     """What an engine says of its offload (picklable)."""
     opt, rt = engine.optimizer, engine.lins
@@ -54,6 +61,7 @@ def offload_facts(engine) -> dict:
             "host_updater_units": len(opt.host.units()) if opt.host is not None else 0,
             "on_host_slices_in_host_units": all((s.range.unit in host_units) == s.on_host for s in opt.slices),
             "host_grad_units": len(rt.host_grads.units()) if rt.host_grads is not None else 0,
+            "host_param_units": [rt.units.index(u) for u in rt.units if u.host_params is not None],
             "host_grad_units_are_host_units": all((u.host_grads is not None) == (u in host_units) for u in rt.units)
             if rt.host_grads is not None else all(u.host_grads is None for u in rt.units),
             "host_gb": opt.host_gb(), "client_optimizer": type(opt.optimizer).__name__}
@@ -76,8 +84,9 @@ def train_runs(runs):
     return out
 
 
-TRAJECTORY_RUNS = ([(p, o) for p in (REPLICATED, OS_SHARDED) for o in (False, CPU)]
-                   + [(ALL_SHARDED, o) for o in (False, CPU_G, CPU_NOT_G, HALF_G)] + [(ZERO2, o) for o in (False, CPU_G)])
+TRAJECTORY_RUNS = ([(p, o) for p in (REPLICATED, OS_SHARDED) for o in (False, CPU)] + [(REPLICATED, CPU_P)]
+                   + [(ALL_SHARDED, o) for o in (False, CPU_G, CPU_NOT_G, HALF_G, CPU_GP, HALF_GP)]
+                   + [(ZERO2, o) for o in (False, CPU_G)])
 
 
 def test_offloaded_optimizer_state_follows_the_same_trajectory():
@@ -92,6 +101,8 @@ def test_offloaded_optimizer_state_follows_the_same_trajectory():
             assert facts["units"] == UNITS, name
             assert facts["offload_units"] == facts["host_units"] == expected_units(offload), (name, facts)
             assert facts["host_grad_units"] == expected_grad_units(offload), (name, facts)
+            n_p = expected_param_units(offload)  # the last units
+            assert facts["host_param_units"] == list(range(UNITS - n_p, UNITS)), (name, facts)
             assert facts["host_grad_units_are_host_units"] or not facts["host_grad_units"], (name, facts)
             assert facts["has_host"] == (offload is not False), (name, facts)
             assert facts["host_updater_units"] == expected_units(offload), (name, facts)
@@ -253,14 +264,14 @@ def save_and_resume(ckpt_on, ckpt_off):
     ref = ckpt_steps(engine, 0, 2 * K)[K:]
     engine.destroy()
     facts = []
-    for ckpt, offload in ((ckpt_on, CPU_G), (ckpt_off, False)):
+    for ckpt, offload in ((ckpt_on, CPU_GP), (ckpt_off, False)):
         engine = make_engine(ALL_SHARDED, offload)
         ckpt_steps(engine, 0, K)
         engine.save_checkpoint(ckpt)  # right after step(): with offload, host updates may still be running
         engine.destroy()
     resumed = {}
     for name, ckpt, plan, offload in (("offload -> none", ckpt_on, ALL_SHARDED, False),
-                                      ("none -> offload", ckpt_off, ALL_SHARDED, CPU_G),
+                                      ("none -> offload", ckpt_off, ALL_SHARDED, CPU_GP),
                                       ("offload -> half, other plan", ckpt_on, OS_SHARDED, HALF)):
         engine = make_engine(plan, offload)
         engine.load_checkpoint(ckpt)
@@ -291,7 +302,8 @@ BAD_OFFLOAD = [
     ({"os": "disk"}, "lins.offload.os"),
     ({"os": "cpu", "os_fraction": 0}, "lins.offload.os_fraction"),
     ({"os": "cpu", "os_fraction": 1.5}, "lins.offload.os_fraction"),
-    ({"p": "cpu"}, "lins.offload.p"),
+    ({"p": "disk"}, "lins.offload.p"),
+    ({"os": "gpu", "p": "cpu"}, "lins.offload.p"),
     ({"g": "disk"}, "lins.offload.g"),
     ({"os": "gpu", "g": "cpu"}, "lins.offload.g"),
     ({"g": "cpu"}, "lins.offload.g"),  # REPLICATED's G has a replica AllReduce: it cannot live on the host
@@ -306,11 +318,13 @@ def zero_offload(**offload_optimizer) -> dict:
 
 def bad_configs():
     msgs = [bad_config({"plan": REPLICATED, "offload": value}, {}) for value, _ in BAD_OFFLOAD]
+    os_sharded = {"p": [1, 1], "g": [1, 1], "os": [2, 1]}  # s_p != s_os: a P-sync follows the update
+    msgs.append(bad_config({"plan": os_sharded, "offload": {"p": "cpu"}}, {}))
     return msgs + [bad_config({"plan": OS_SHARDED}, NVME)]
 
 
 def test_bad_offload_values_are_named_with_their_key():
-    expected = [key for _, key in BAD_OFFLOAD] + ["zero_optimization.offload_optimizer.device"]
+    expected = [key for _, key in BAD_OFFLOAD] + ["lins.offload.p", "zero_optimization.offload_optimizer.device"]
     for msgs in run(bad_configs, 2, gpus_per_node=2):
         assert len(msgs) == len(expected)
         for msg, key in zip(msgs, expected):
@@ -351,11 +365,16 @@ def check_read_as_lins_offload(facts, units):
 
 
 def test_zero_offload_config_is_read_as_lins_offload():
+    zero3 = zero_offload(pin_memory=True)
+    zero3["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     cases = [({"plan": OS_SHARDED, "host_optimizer": "torch"}, zero_offload(pin_memory=True), True),  # all units
-             ({"plan": OS_SHARDED, "offload": False}, zero_offload(), False)]  # the lins block's own key wins
+             ({"plan": OS_SHARDED, "offload": False}, zero_offload(), False),  # the lins block's own key wins
+             ({"plan": ALL_SHARDED, "host_optimizer": "torch"}, zero3, True)]  # ZeRO-3's: parameters too
     reference("llama")  # computed here, before the fork
-    for read, overridden in run(zero_offload_runs, WORLD, cases, gpus_per_node=GPUS_PER_NODE):
+    for read, overridden, read3 in run(zero_offload_runs, WORLD, cases, gpus_per_node=GPUS_PER_NODE):
         check_read_as_lins_offload(read, UNITS)
+        check_read_as_lins_offload(read3, UNITS)
+        assert read["host_param_units"] == [] and read3["host_param_units"] == list(range(UNITS)), read3
         assert isinstance(overridden, dict), overridden
         assert overridden["offload_units"] == 0 and not overridden["has_host"]
         assert overridden["zero_cpu_offload"] is False
@@ -496,3 +515,29 @@ def test_host_gradient_thread_closes_once_and_again():
     grads.close()
     grads.close()
     assert not grads._thread.is_alive() and grads.error() == "" and grads.square_sum() == 0.0
+
+
+def test_parameters_on_the_host_lower_the_floor_again():
+    """P on the host too (asked for: "p": "cpu"): no P of the offloaded units on the GPU but the gathered ones; the
+    placements a layout allows; a budget only OS, G and P on the host meet."""
+    (layout,) = candidates(TOPO)
+    units, k, n = MODEL.unit_params(), len(MODEL.unit_params()), MODEL.num_layers
+    with_g = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, offload_units=k, offload_grads=True)
+    with_gp = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, offload_units=k, offload_grads=True,
+                     offload_params=True)
+    p_gib = TRAIN.param_bytes * sum(units) / 2**30
+    assert with_g.terms["params"] - with_gp.terms["params"] == pytest.approx(p_gib)
+    assert with_gp.terms["gathered"] > 0 == with_g.terms["gathered"]  # the layers in use are gathered (uploaded)
+    assert with_gp.host_gb == pytest.approx(with_g.host_gb)  # the P chunk takes the upload copy's place
+    budget = with_g.total_gb - 2
+    with pytest.raises(NoFeasiblePlan):
+        solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto())  # P stays on the GPU unless asked
+    sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE,
+                offload=OffloadSpec("auto", host=BIG_HOST, params="auto"))
+    assert sol.plan.offload_params and sol.plan.offload_grads and sol.best.memory.total_gb <= budget
+    assert "OS, G and P" in describe(sol.best) and Plan.from_json(sol.plan.to_json()) == sol.plan
+    topo = Topology(2, 2)
+    spec = OffloadSpec("fixed", host=BIG_HOST, grads="cpu", params="cpu")
+    for lay in candidates(topo):
+        ok = lay.g.size == 4 and lay.p.size == lay.os.size
+        assert spec.placements(lay, 4) == ([(True, True)] if ok else []), lay

@@ -97,7 +97,7 @@ def formula_activations(model: ModelSpec, train: TrainingSpec) -> ActivationProf
 
 
 def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layout: Layout, ckpt_units: int,
-                    acts: ActivationProfile, host_grad_units: int = 0) -> dict:
+                    acts: ActivationProfile, host_grad_units: int = 0, host_param_units: int = 0) -> dict:
     """Bytes beyond the persistent state at each moment of a backward that can hold its peak, per term:
 
     head       the loss's backward: every layer's saved tensors, the head's peak, the root gathered and the top
@@ -109,7 +109,8 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
 
     ``host_grad_units``: the last units (forward order) whose G accumulators live on the host
     (``lins_ds.plan.offload``): none of theirs on the GPU; their gradients come as autograd makes them (one
-    unit's), staged, and a staged copy on its way down (two staging buffers)."""
+    unit's), staged, and a staged copy on its way down (two staging buffers). ``host_param_units``: the last units
+    whose P lives on the host: gathered (uploaded) before each use like a sharded unit's, none of it otherwise."""
     n, k = model.num_layers, ckpt_units
     units = model.unit_params()
     root, layer = units[0], max(units[1:], default=0)
@@ -126,7 +127,8 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
         reducing = layer * pb + 2 * layer * rb
     copies = ((IN_FLIGHT_REPLICA_COPIES + 1) * max(root, layer) / s_g * rb
               if topo.world_size // s_g > 1 and accum != reduce else 0.0)
-    gathered_root, gathered_layer = (root * pb, layer * pb) if s_p > 1 else (0.0, 0.0)
+    gathered_root = root * pb if s_p > 1 or host_param_units > n else 0.0
+    gathered_layer = layer * pb if s_p > 1 or host_param_units else 0.0
     kept = (n - k) * acts.layer_saved + k * acts.layer_saved_ckpt
 
     on_gpu = (0 if root_on_host else root) + (n - host_layers) * layer  # what has a G accumulator on the GPU
@@ -156,9 +158,10 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
 
 def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topology, layout: Layout,
            ckpt_units: int, activations: Optional[ActivationProfile] = None,
-           offload_units: int = 0, offload_grads: bool = False) -> "MemoryBreakdown":
+           offload_units: int = 0, offload_grads: bool = False, offload_params: bool = False) -> "MemoryBreakdown":
     """``offload_units``: the last k units keep their OS on the host (``lins_ds.plan.offload``): the GPU holds
-    none of their optimizer state and runs none of their update; with ``offload_grads`` none of their G either."""
+    none of their optimizer state and runs none of their update; with ``offload_grads`` none of their G either, with
+    ``offload_params`` none of their P but while gathered for use."""
     phi = model.total_params()
     units = model.unit_params()
     resident = units[:len(units) - offload_units]
@@ -167,7 +170,8 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     s_p, s_g, s_os = layout.sharding()
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch)
     host_g = offload_units if offload_grads else 0
-    phases = backward_phases(model, train, topo, layout, ckpt_units, acts, host_g)
+    host_p = offload_units if offload_params else 0
+    phases = backward_phases(model, train, topo, layout, ckpt_units, acts, host_g, host_p)
     worst = max(phases, key=lambda p: sum(phases[p].values()))
     step_grad = 4 if gb != 4 else 0  # the optimizer reads fp32 gradients
     piece = max(resident, default=0) if train.optimizer_per_unit else on_gpu
@@ -175,7 +179,8 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     update = piece / s_os * (step_grad + 4 * OPTIMIZER_TEMP_COPIES)
     backward = sum(phases[worst].values())
     stepping = update + all_grads > backward  # the step holds every G accumulator, and the update's temporaries
-    terms = {"params": pb * phi / s_p, "optimizer": train.optimizer_bytes * on_gpu / s_os, **phases[worst],
+    terms = {"params": pb * (phi - (sum(units) - on_gpu if host_p else 0)) / s_p,
+             "optimizer": train.optimizer_bytes * on_gpu / s_os, **phases[worst],
              "optimizer_step": update}
     if stepping:
         terms["grads"] = all_grads
@@ -185,7 +190,8 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     terms["reserved"] = mem.reserved_gb
     terms["margin"] = mem.fragmentation * peak
     phase = "optimizer step" if stepping else f"backward ({worst})"
-    return MemoryBreakdown(terms, peak, acts.source, phase, host_gb(units, offload_units, s_os, train, offload_grads))
+    return MemoryBreakdown(terms, peak, acts.source, phase,
+                           host_gb(units, offload_units, s_os, train, offload_grads, offload_params))
 
 
 @dataclass(frozen=True)

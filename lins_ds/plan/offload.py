@@ -22,7 +22,7 @@ from .spec import GIB, TrainingSpec
 from .topology import Layout, PlanError
 
 MODES = ("off", "auto", "fixed")
-GRAD_PLACES = ("auto", "cpu", "gpu")  # the offloaded units' G: the solver's choice, always the host, never
+GRAD_PLACES = ("auto", "cpu", "gpu")  # the offloaded units' G (or P): the solver's choice, always the host, never
 HOST_STATE_BYTES = 4 + 8  # fp32 master and Adam's two fp32 moments, always on the host for an offloaded unit
 
 
@@ -53,12 +53,15 @@ class OffloadSpec:
     fraction: float = 1.0
     host: Optional[HostSpec] = None
     grads: str = "auto"  # the offloaded units' G on the host: "auto" (where the layout lets it), "cpu", "gpu"
+    params: str = "gpu"  # the offloaded units' P on the host: the same choices; only when asked for ("cpu", "auto")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise PlanError(f"offload: {self.mode!r} is not one of {MODES}")
         if self.grads not in GRAD_PLACES:
             raise PlanError(f"offload.g: {self.grads!r} is not one of {GRAD_PLACES}")
+        if self.params not in GRAD_PLACES:
+            raise PlanError(f"offload.p: {self.params!r} is not one of {GRAD_PLACES}")
         if not 0 < self.fraction <= 1:
             raise PlanError(f"offload.os_fraction: {self.fraction!r} is not in (0, 1]")
         if self.mode != "off" and self.host is None:
@@ -76,12 +79,30 @@ class OffloadSpec:
     def grad_choices(self, layout: Layout, world: int) -> list:
         """Whether the offloaded units' G may be on the host under ``layout``: [False], [True] or both (the solver
         prices both). [] when this offload requires it and the layout does not allow it."""
-        if self.mode == "off" or self.grads == "gpu":
-            return [False]
-        allowed = grads_may_leave(layout, world)
-        if self.grads == "cpu":
-            return [True] if allowed else []
-        return [False, True] if allowed else [False]
+        return _choices("off" if self.mode == "off" else self.grads, grads_may_leave(layout, world))
+
+    def param_choices(self, layout: Layout) -> list:
+        """The same for the offloaded units' P (``params_may_leave``)."""
+        return _choices("off" if self.mode == "off" else self.params, params_may_leave(layout))
+
+    def placements(self, layout: Layout, world: int) -> list:
+        """(G on the host, P on the host) pairs the solver prices for ``layout``; [] when a placement this offload
+        requires is not allowed."""
+        return [(g, p) for g in self.grad_choices(layout, world) for p in self.param_choices(layout)]
+
+
+def _choices(want: str, allowed: bool) -> list:
+    if want in ("off", "gpu"):
+        return [False]
+    if want == "cpu":
+        return [True] if allowed else []
+    return [False, True] if allowed else [False]
+
+
+def params_may_leave(layout: Layout) -> bool:
+    """A unit's P may live on the host (uploaded, and gathered where s_p > 1, before each use) only where no P-sync
+    follows the update (s_p = s_os): the host optimizer then writes the P chunk itself."""
+    return layout.p.size == layout.os.size
 
 
 def grads_may_leave(layout: Layout, world: int) -> bool:
@@ -108,22 +129,30 @@ def grad_down_buffer(train: TrainingSpec) -> bool:
                                                                                          or train.param_dtype)
 
 
-def host_gb(units: list, k: int, s_os: int, train: TrainingSpec, grads: bool = False) -> float:
+def host_gb(units: list, k: int, s_os: int, train: TrainingSpec, grads: bool = False, params: bool = False) -> float:
     """Host memory of the offloaded units' OS chunks on this rank: master, moments, the pinned gradient (the copy
     that comes down at the step, or the G accumulator itself with ``grads``, and then a micro-batch's gradient
     too where ``grad_down_buffer``) and the pinned parameter copy that goes up (none for fp32 parameters: the
-    master goes up)."""
-    up = train.param_bytes if train.param_dtype != "fp32" else 0
+    master goes up), or with ``params`` the P chunk itself (s_p = s_os)."""
+    up = train.param_bytes if train.param_dtype != "fp32" or params else 0
     down = train.reduce_bytes if grads and grad_down_buffer(train) else 0
     return sum(offloaded(units, k)) / s_os * (HOST_STATE_BYTES + train.grad_bytes + up + down) / GIB
 
 
-def unit_seconds(n: float, s_os: int, train: TrainingSpec, host: HostSpec, grads: bool = False) -> float:
+def unit_seconds(n: float, s_os: int, train: TrainingSpec, host: HostSpec, grads: bool = False,
+                 params: bool = False) -> float:
     """One offloaded unit of ``n`` parameters after the step: its gradient down (not with ``grads``: it is on
-    the host already), its host update and its parameters up."""
+    the host already), its host update and its parameters up (not with ``params``: they stay there)."""
     per = n / s_os
     down = 0.0 if grads else per * train.grad_bytes / host.d2h_gbs / 1e9
-    return per / host.update_elems_per_s + down + per * train.param_bytes / host.h2d_gbs / 1e9
+    up = 0.0 if params else per * train.param_bytes / host.h2d_gbs / 1e9
+    return per / host.update_elems_per_s + down + up
+
+
+def upload_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec) -> float:
+    """P on the host, per step: each offloaded unit's P chunk up before its forward and again before its backward,
+    every micro-batch (on a copy engine, beside the compute)."""
+    return 2 * train.grad_accum * sum(offloaded(units, k)) / layout.p.size * train.param_bytes / host.h2d_gbs / 1e9
 
 
 def backward_host_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec) -> float:
@@ -137,18 +166,21 @@ def backward_host_seconds(units: list, k: int, layout: Layout, train: TrainingSp
 
 
 def exposed_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec,
-                    forward_s: float, grads: bool = False, behind_s: float = 0.0) -> float:
+                    forward_s: float, grads: bool = False, behind_s: float = 0.0, params: bool = False) -> float:
     """What a step waits for the host: the offloaded units' transfers and updates, one after another in forward
     order, less what the next forward hides (``hides_behind_forward``): the first units run their forward
     meanwhile, and an offloaded unit's forward waits only for its own update. With ``grads``, the host's work on
     the gradients (``backward_host_seconds``) where it outlasts the GPU work it runs beside (``behind_s``: the
-    window's compute from the first gradient on)."""
+    window's compute from the first gradient on). With ``params``, the uploads (``upload_seconds``) where they outlast
+    the window's compute."""
     off = offloaded(units, k)
     if not off:
         return 0.0
     s_os = layout.os.size
-    times = [unit_seconds(n, s_os, train, host, grads) for n in off]
+    times = [unit_seconds(n, s_os, train, host, grads, params) for n in off]
     behind = max(0.0, backward_host_seconds(units, k, layout, train, host) - behind_s) if grads else 0.0
+    if params:
+        behind += max(0.0, upload_seconds(units, k, layout, train, host) - behind_s)
     if not hides_behind_forward(layout):
         return sum(times) + behind
     total = sum(units)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .cost import per_state
 from .memory import TERMS
-from .solver import Evaluation, Solution
+from .solver import Evaluation, Solution, placed
 from .topology import STATES
 
 STATE_NAMES = {"p": "P (parameters)", "g": "G (gradients)", "os": "OS (optimizer)", "scalar": "scalars"}
@@ -43,8 +43,7 @@ def explain_loss(winner: Evaluation, other: Evaluation) -> str:
 
 
 def describe(e: Evaluation) -> str:
-    what = "OS and G" if e.offload_grads else "OS"
-    off = f", {what} of {e.offload_units} of {e.num_units} units on the host" if e.offload_units else ""
+    off = f", {placed(e)} of {e.offload_units} of {e.num_units} units on the host" if e.offload_units else ""
     return f"{e.layout}{f', {e.ckpt_units} of {e.num_layers} layer units checkpointed' if e.checkpointing else ''}{off}"
 
 
@@ -65,7 +64,8 @@ def to_json(sol: Solution) -> dict:
         "predicted_recompute_s_per_step": best.recompute_s,
         "predicted_optimizer_s_per_step": best.optimizer_s,
         "predicted_exposed_comm_s_per_step": best.exposed_s,
-        "offload_units": best.offload_units, "offload_grads": best.offload_grads, "num_units": best.num_units,
+        "offload_units": best.offload_units, "offload_grads": best.offload_grads,
+        "offload_params": best.offload_params, "num_units": best.num_units,
         "host_memory_gb": round(best.memory.host_gb, 4),
         "predicted_offload_s_per_step": best.offload_s,
         "objective": best.objective, "objective_s_per_step": best.objective_s,
@@ -96,7 +96,8 @@ def to_table(sol: Solution) -> str:
         f"  activation checkpointing: {best.ckpt_units} of {best.num_layers} layer units"
         + (f" (recompute {_ms(best.recompute_s).strip()} per step)" if best.checkpointing else ""),
         f"  optimizer state on the host: {best.offload_units} of {best.num_units} units"
-        + (f" (the last ones{', their gradients too' if best.offload_grads else ''}; "
+        + (f" (the last ones{', their gradients too' if best.offload_grads else ''}"
+           f"{', their parameters too' if best.offload_params else ''}; "
            f"{_gib(best.memory.host_gb)} pinned per rank of {_gib(best.host_capacity_gb)}; "
            f"{_ms(best.offload_s).strip()} per step not hidden by the forward)" if best.offload_units else ""),
         "",

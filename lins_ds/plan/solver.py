@@ -83,6 +83,7 @@ class Evaluation:
     host_capacity_gb: float = float("inf")
     num_units: int = 0
     offload_grads: bool = False  # the offloaded units' G accumulators live on the host too
+    offload_params: bool = False  # the offloaded units' P lives on the host too
 
     @property
     def checkpointing(self) -> bool:
@@ -109,7 +110,7 @@ class Evaluation:
     def sort_key(self) -> tuple:
         s_p, s_g, s_os = self.layout.sharding()
         return (self.objective_s, self.offload_units, s_os * s_g * s_p, s_p, s_g, s_os, self.layout, self.ckpt_units,
-                self.offload_grads)
+                self.offload_grads, self.offload_params)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Plan:
     offload_units: int = 0  # the last k units (forward order, root first) keep their OS on the host
     host_gb: float = 0.0  # host memory the offloaded OS chunks pin on this rank
     offload_grads: bool = False  # the offloaded units' G accumulators live on the host too
+    offload_params: bool = False  # the offloaded units' P lives on the host too
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -145,7 +147,7 @@ class Plan:
             "profile_source": self.profile_source, "predicted_comm_s": self.predicted_comm_s,
             "memory_gb": self.memory_gb, "predicted_peak_gb": self.predicted_peak_gb,
             "memory_profile": self.memory_profile, "offload_units": self.offload_units, "host_gb": self.host_gb,
-            "offload_grads": self.offload_grads,
+            "offload_grads": self.offload_grads, "offload_params": self.offload_params,
         }
 
     @classmethod
@@ -159,7 +161,8 @@ class Plan:
                    obj.get("profile_source", ""), float(obj.get("predicted_comm_s", 0)),
                    float(obj.get("memory_gb", 0)), float(obj.get("predicted_peak_gb", 0)),
                    obj.get("memory_profile", ""), layers, int(obj.get("offload_units", 0)),
-                   float(obj.get("host_gb", 0.0)), bool(obj.get("offload_grads", False)))
+                   float(obj.get("host_gb", 0.0)), bool(obj.get("offload_grads", False)),
+                   bool(obj.get("offload_params", False)))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
@@ -198,7 +201,8 @@ def compute_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec,
 def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, train: TrainingSpec,
              mem: MemorySpec, table: ProfileTable, compute: ComputeSpec, objective: str = "step",
              activations: Optional[ActivationProfile] = None, colls: Optional[tuple] = None,
-             offload_units: int = 0, offload: OffloadSpec = OffloadSpec(), offload_grads: bool = False) -> Evaluation:
+             offload_units: int = 0, offload: OffloadSpec = OffloadSpec(), offload_grads: bool = False,
+             offload_params: bool = False) -> Evaluation:
     if colls is None:
         colls = tuple(cost.timed(cost.schedule(topo, layout, cost.model_units(model), train), table))
     fwd, bwd = compute_seconds(model, train, compute, ckpt_units)
@@ -206,15 +210,16 @@ def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, 
     exposed = cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum)
     units = model.unit_params()
     host = offload.host
-    grads = offload_grads and offload_units > 0
+    grads, params = offload_grads and offload_units > 0, offload_params and offload_units > 0
     off_s = (offload_exposed(units, offload_units, layout, train, host, fwd, grads,
-                             train.grad_accum * (fwd + bwd) - fwd) if offload_units else 0.0)
+                             train.grad_accum * (fwd + bwd) - fwd, params) if offload_units else 0.0)
     return Evaluation(layout, ckpt_units,
-                      memory(model, train, mem, topo, layout, ckpt_units, activations, offload_units, grads), colls,
+                      memory(model, train, mem, topo, layout, ckpt_units, activations, offload_units, grads, params),
+                      colls,
                       recompute, mem.capacity_gb,
                       optimizer_seconds(model, train, layout.os.size, compute, offload_units), objective,
                       exposed, model.num_layers, offload_units, off_s,
-                      host.capacity_gb if host is not None else float("inf"), len(units), grads)
+                      host.capacity_gb if host is not None else float("inf"), len(units), grads, params)
 
 
 def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
@@ -227,9 +232,15 @@ def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
 
 def _describe_ckpt(e: Evaluation) -> str:
     ck = f" with {e.ckpt_units} of {e.num_layers} layer units checkpointed" if e.checkpointing else ""
-    what = "OS and G" if e.offload_grads else "OS"
+    what = placed(e)
     off = f"{' and' if ck else ' with'} the {what} of {e.offload_units} of {e.num_units} units on the host" if e.offload_units else ""
     return ck + off
+
+
+def placed(e) -> str:
+    """What of the offloaded units is on the host: "OS", "OS and G", "OS and P", "OS, G and P"."""
+    states = ["OS"] + (["G"] if e.offload_grads else []) + (["P"] if e.offload_params else [])
+    return " and ".join(states) if len(states) < 3 else "OS, G and P"
 
 
 def best_placement(evals: list) -> Evaluation:
@@ -258,13 +269,14 @@ def fewest_offloaded(ev, choices: list) -> tuple:
     return (best, n) if best is not None else (ev(choices[-1]), n + 1)
 
 
-def fewest_offloaded_placed(ev, choices: list, grad_choices: list) -> tuple:
-    """(evaluation, how many evaluated): for each place of the offloaded units' gradients (``grad_choices``), the
-    fewest offloaded units that fit (``fewest_offloaded``: within one placement more offload only costs time and
-    only saves memory); then the faster of those that fit. Across placements fewer is not faster: G on the host
-    lets fewer units fit, but adds the host's sums during backward."""
+def fewest_offloaded_placed(ev, choices: list, placements: list) -> tuple:
+    """(evaluation, how many evaluated): for each placement of the offloaded units' gradients and parameters
+    (``placements``: (G on the host, P on the host) pairs), the fewest offloaded units that fit
+    (``fewest_offloaded``: within one placement more offload only costs time and only saves memory); then the faster
+    of those that fit. Across placements fewer is not faster: G or P on the host lets fewer units fit, but adds the
+    host's sums during backward, or the uploads before each use."""
     found, count = [], 0
-    for g in grad_choices:
+    for g in placements:
         e, n = fewest_offloaded(lambda o: ev(o, g), choices)
         found.append(e)
         count += n
@@ -291,7 +303,8 @@ def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec
     """The plan an evaluation describes (what the runtime executes)."""
     return Plan(topo, e.layout, e.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
                 model.name, table.source, e.comm_s, e.memory.total_gb, e.memory.allocated_gb,
-                e.memory.activation_source, model.num_layers, e.offload_units, e.memory.host_gb, e.offload_grads)
+                e.memory.activation_source, model.num_layers, e.offload_units, e.memory.host_gb, e.offload_grads,
+                e.offload_params)
 
 
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
@@ -310,16 +323,16 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
     for lay in layouts:
         colls = tuple(cost.timed(cost.schedule(topo, lay, cost.model_units(model), train), table))
 
-        grad_choices = offload.grad_choices(lay, topo.world_size)
-        if not grad_choices:
-            continue  # this offload keeps G on the host, which this layout's replica AllReduce does not allow
+        places = offload.placements(lay, topo.world_size)
+        if not places:
+            continue  # this offload keeps G (or P) on the host, which this layout does not allow
 
-        def ev(o, k, g):
+        def ev(o, k, place):
             return evaluate(topo, lay, k, model, train, mem, table, compute, objective, activations, colls, o,
-                            offload, g)
+                            offload, *place)
 
         for k in choices:  # ascending: the first that fits without more offload than needed is this layout's best
-            e, n = fewest_offloaded_placed(lambda o, g: ev(o, k, g), offload_choices, grad_choices)
+            e, n = fewest_offloaded_placed(lambda o, place: ev(o, k, place), offload_choices, places)
             considered += n
             if k == choices[0] or e.fits:
                 evals.append(e)
@@ -330,8 +343,11 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
             if e.fits and e.offload_units == offload_choices[0]:
                 break  # more checkpointing only costs more
     if smallest is None:
-        raise PlanError("lins.offload.g: \"cpu\" keeps gradients on the host, which needs a layout whose G is "
-                        "sharded over every rank (no replica AllReduce); none of the layouts considered is")
+        g_ok = any(offload.grad_choices(lay, topo.world_size) for lay in layouts)
+        raise PlanError("lins.offload.g: \"cpu\" keeps gradients on the host, which needs a layout whose G is sharded "
+                        "over every rank (no replica AllReduce); none of the layouts considered is" if not g_ok else
+                        "lins.offload.p: \"cpu\" keeps parameters on the host, which needs a layout with s_p = s_os "
+                        "(no P-sync) and the gradient placement asked for; none of the layouts considered is")
     fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
     if not fitting:
         raise _no_plan(least_host or smallest, mem)

@@ -41,16 +41,19 @@ class Candidate:
     @property
     def label(self) -> str:
         e = self.evaluation
-        return label(e.layout, e.ckpt_units, e.num_layers, e.offload_units, e.num_units, e.offload_grads)
+        return label(e.layout, e.ckpt_units, e.num_layers, e.offload_units, e.num_units, e.offload_grads,
+                     e.offload_params)
 
 
-def label(layout: Layout, ckpt: int, layers: int, offload: int, units=None, grads: bool = False) -> str:
-    """A plan in one line: its layout, checkpointed layer units, units whose OS (and G: "+G") is on the host."""
+def label(layout: Layout, ckpt: int, layers: int, offload: int, units=None, grads: bool = False,
+          params: bool = False) -> str:
+    """A plan in one line: its layout, checkpointed layer units, units whose OS (and G: "+G", P: "+P") is on the
+    host."""
     out = str(layout)
     if ckpt:
         out += f" ckpt {ckpt}/{layers}"
     if offload:
-        out += f" offload {offload}" + (f"/{units}" if units else "") + (" +G" if grads else "")
+        out += f" offload {offload}" + (f"/{units}" if units else "") + (" +G" if grads else "") + (" +P" if params else "")
     return out
 
 
@@ -106,7 +109,7 @@ def candidates(fitting: list, near: list, count: int, world_size: int,
         picked.append((e, why))
     out, keys = [], set()
     for e, why in picked:
-        key = (e.layout, e.ckpt_units, e.offload_units, e.offload_grads)
+        key = (e.layout, e.ckpt_units, e.offload_units, e.offload_grads, e.offload_params)
         if key not in keys:
             keys.add(key)
             out.append(Candidate(e, kind(e.layout, world_size), why, step_of(e)))

@@ -134,35 +134,36 @@ OFFLOAD_KEYS = ("os", "os_fraction", "p", "g")
 
 
 def _offload(key, value):
-    """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f, "g": "cpu" | "gpu"}: (mode, fraction,
-    where the offloaded units' gradients go: "auto" (the solver's choice), "cpu" or "gpu")."""
+    """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f, "g": "cpu" | "gpu", "p": "cpu" | "auto" |
+    "gpu"}: (mode, fraction, where the offloaded units' gradients go: "auto" (the solver's choice), "cpu" or "gpu",
+    and their parameters: the same, "gpu" unless asked)."""
     if value == "auto":
-        return ("auto", 1.0, "auto")
+        return ("auto", 1.0, "auto", "gpu")
     if value is False:
-        return ("off", 1.0, "gpu")
+        return ("off", 1.0, "gpu", "gpu")
     if not isinstance(value, dict):
         _bad(key, value, "\"auto\", false or {\"os\": \"cpu\", \"os_fraction\": 0.5}")
     unknown = sorted(set(value) - set(OFFLOAD_KEYS))
     if unknown:
         raise LinsConfigError(f"lins.offload.{unknown[0]}: unknown key (known keys: {', '.join(OFFLOAD_KEYS)})")
-    if value.get("p", "gpu") != "gpu":
-        raise LinsConfigError(
-            f"lins.offload.p: {value['p']!r} is not supported: Lins offloads the optimizer state (\"os\") and the "
-            "gradients (\"g\"); parameters stay on the GPU. Use \"gpu\" or leave the key out")
-    grads = value.get("g", "auto")
+    grads, params = value.get("g", "auto"), value.get("p", "gpu")
     if grads not in ("cpu", "gpu", "auto"):
         _bad(f"{key}.g", grads, "\"cpu\" (the offloaded units' gradients on the host), \"gpu\", or left out "
              "(the solver decides)")
+    if params not in ("cpu", "gpu", "auto"):
+        _bad(f"{key}.p", params, "\"cpu\" (the offloaded units' parameters on the host), \"auto\" (the solver "
+             "decides), or \"gpu\" (the default)")
     where = value.get("os", "cpu")
     if where not in ("cpu", "gpu"):
         _bad(f"{key}.os", where, "\"cpu\" or \"gpu\"")
     fraction = value.get("os_fraction", 1.0)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         _bad(f"{key}.os_fraction", fraction, "a number in (0, 1]: the fraction of units whose OS is on the host")
-    if where != "cpu" and grads == "cpu":
-        _bad(f"{key}.g", grads, "\"cpu\" only with \"os\": \"cpu\" (a unit's gradients go to the host with its "
-             "optimizer state)")
-    return ("fixed", float(fraction), grads) if where == "cpu" else ("off", 1.0, "gpu")
+    for state, place in (("g", grads), ("p", params)):
+        if where != "cpu" and place == "cpu":
+            _bad(f"{key}.{state}", place, "\"cpu\" only with \"os\": \"cpu\" (a unit's gradients and parameters "
+                 "go to the host with its optimizer state)")
+    return ("fixed", float(fraction), grads, params) if where == "cpu" else ("off", 1.0, "gpu", "gpu")
 
 
 def _rule(default, rule: Callable, doc: str, shown: Optional[str] = None):
@@ -217,9 +218,9 @@ class LinsConfig:
                                      "`false` waits in `step()`")
     init: str = _rule("eager", _one_of(("eager", "per_module")), "values of a model built under `lins_ds.init`: "
                       "the eager build's, or `\"per_module\"` (each module's init, seeded by its name; faster)")
-    offload: tuple = _rule(("auto", 1.0, "auto"), _offload,
-                           "optimizer state and gradients on the host: `\"auto\"` (the solver decides; never on CPUs), "
-                           "`false`, or `{\"os\": \"cpu\", \"os_fraction\": f, \"g\": \"cpu\"}`", "`\"auto\"`")
+    offload: tuple = _rule(("auto", 1.0, "auto", "gpu"), _offload,
+                           "OS, G and P on the host: `\"auto\"` (the solver decides; never on CPUs), `false`, or "
+                           "`{\"os\": \"cpu\", \"os_fraction\": f, \"g\": \"cpu\", \"p\": \"cpu\"}`", "`\"auto\"`")
     host_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib),
                                             "host memory offload may pin per node (GiB)", "what is free")
     host_optimizer: str = _rule("auto", _one_of(("auto", "torch", "deepspeed")),
@@ -298,9 +299,10 @@ def _offload_device(block) -> str:
 def translate_zero_offload(ds_config: dict) -> tuple:
     """(config, notes) for a ZeRO-Offload config switched to Lins (a ``lins`` block on): its
     ``zero_optimization.offload_optimizer`` (device "cpu"; ``ratio``, DeepSpeed's partial offload, the fraction)
-    becomes ``lins.offload``'s fixed form unless the lins block sets ``offload``; ``offload_param`` is dropped
-    (Lins keeps parameters on the GPU). DeepSpeed gets a copy without either, so that it neither rejects them
-    (a ratio below 1 outside stage 3) nor builds its own CPU optimizer."""
+    becomes ``lins.offload``'s fixed form unless the lins block sets ``offload``, with ``offload_param`` (device
+    "cpu") as its ``"p": "cpu"``; an ``offload_param`` without ``offload_optimizer`` is dropped with a note.
+    DeepSpeed gets a copy without either, so that it neither rejects them (a ratio below 1 outside stage 3) nor
+    builds its own CPU optimizer."""
     zero = ds_config.get("zero_optimization")
     if not isinstance(zero, dict) or not ({"offload_optimizer", "offload_param"} & set(zero)):
         return ds_config, []
@@ -316,12 +318,16 @@ def translate_zero_offload(ds_config: dict) -> tuple:
         ratio = oo.get("ratio", 1.0)
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise LinsConfigError(f"zero_optimization.offload_optimizer.ratio: {ratio!r} is not a number in (0, 1]")
+        params = _offload_device(op) == "cpu"  # ZeRO-3's offload_param: the same units' P on the host too
         if isinstance(new.get("lins"), dict) and "offload" not in new["lins"]:
-            new["lins"] = {**new["lins"], "offload": {"os": "cpu", "os_fraction": float(ratio)}}
-            notes.append(f"zero_optimization.offload_optimizer read as \"lins\": {{\"offload\": {{\"os\": \"cpu\", "
-                         f"\"os_fraction\": {float(ratio):g}}}}} (Lins' host optimizer; DeepSpeed builds none)")
+            fixed = {"os": "cpu", "os_fraction": float(ratio), **({"p": "cpu"} if params else {})}
+            new["lins"] = {**new["lins"], "offload": fixed}
+            notes.append(f"zero_optimization.offload_optimizer{' and offload_param' if params else ''} read as "
+                         f"\"lins\": {{\"offload\": {json.dumps(fixed)}}} (Lins' host optimizer; DeepSpeed builds none)")
+            op = None if params else op
     if _offload_device(op) not in ("none", None):
-        notes.append("zero_optimization.offload_param ignored: Lins keeps parameters on the GPU")
+        notes.append("zero_optimization.offload_param ignored: Lins keeps parameters on the host only with their "
+                     "optimizer state (offload_optimizer)")
     return new, notes
 
 

@@ -131,7 +131,7 @@ class Executor:
         self._prefetch(unit, -1 if self._in_backward else 1)  # a recompute inside backward goes down
 
     def _layer_post_forward(self, unit: Unit, out):
-        if not unit.sharded_p:
+        if not unit.releases:
             return
         if not self._in_backward:
             unit.release()

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .. import comm
 from ..plan.offload import HostSpec
 from .config import LinsConfigError
 
@@ -305,6 +306,51 @@ class HostGrads:
             self._queue.join()
 
 
+class HostParams:
+    """The P chunks of the units whose parameters live on the host (the plan's ``offload_params``; only where s_p =
+    s_os, so that the host optimizer writes the P chunk itself and no P-sync follows): pinned, and before each use
+    uploaded on a stream of their own — then all-gathered over the P group where s_p > 1 — into the unit's full
+    buffer (docs/design.md §13). The host optimizer writes a unit's P chunk only after the step's events, which
+    follow every use of its last upload."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return host_empty(n, dtype, self.device)
+
+    def gather(self, unit):
+        """Launch the upload (and gather) of ``unit``'s P chunk into its full buffer (allocated by the caller); a
+        handle whose ``wait()`` orders the current stream after it."""
+        if self.stream is None:  # a CPU device: the host pool is the device's memory
+            return comm.all_gather(unit.groups, "p", unit.full, unit.p_shard, async_op=True, tag=unit.name)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the full buffer's memory is free there
+        with torch.cuda.stream(self.stream):
+            work = None
+            if unit.sharded_p:
+                src = torch.empty(unit.spec.p_size, dtype=unit.dtype, device=self.device)
+                src.copy_(unit.p_shard, non_blocking=True)
+                work = comm.all_gather(unit.groups, "p", unit.full, src, async_op=True, tag=unit.name)
+            else:
+                unit.full.copy_(unit.p_shard, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _Uploaded(done, work, self.device)
+
+
+class _Uploaded:
+    """An upload (and its gather) in flight: ``wait()`` orders the current stream after both."""
+
+    def __init__(self, done, work, device):
+        self.done, self.work, self.device = done, work, device
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.done)
+        if self.work is not None:
+            self.work.wait()
+
+
 class HostSlice:
     """One offloaded piece of an ``OSRange``: its pinned gradient (down at the step; where the unit's G lives on the
     host, a view into its accumulator), its parameter-dtype copy (up)."""
@@ -315,7 +361,9 @@ class HostSlice:
         unit = master.range.unit
         self.on_host = unit.host_grads is not None
         self.grad = master.range.grads() if self.on_host else host_empty(n, unit.accum_dtype, device)
-        self.up = None if dtype == torch.float32 else host_empty(n, dtype, device)
+        # the parameter-dtype copy that goes up: none for fp32 parameters (the master goes up) or for a unit whose P
+        # is on the host (the master is cast straight into it)
+        self.up = None if dtype == torch.float32 or unit.host_params is not None else host_empty(n, dtype, device)
 
 
 class HostUpdater:

@@ -160,27 +160,39 @@ class SolveContext:
         return solve(self.model, self.topo, self.train, mem, self.table, self.compute, layouts=self.layouts,
                      objective=self.objective, activations=self.activations, offload=self.offload)
 
-    def grad_choices(self, layout) -> list:
-        grads = self.offload.grad_choices(layout, self.topo.world_size)
-        if not grads:
-            raise LinsConfigError(f"lins.offload.g: \"cpu\" needs a layout whose G is sharded over every rank (no "
-                                  f"replica AllReduce after the ReduceScatter); {layout} on {self.topo.world_size} "
-                                  "ranks is not")
-        return grads
+    def placements(self, layout) -> list:
+        """(G on the host, P on the host) pairs this offload allows under ``layout`` (a fixed one it cannot carry:
+        an error naming the key)."""
+        check_placement(self.offload, layout, self.topo)
+        return self.offload.placements(layout, self.topo.world_size)
 
-    def evaluate(self, layout, ckpt_units: int, offload_units: int = 0, grads: Optional[bool] = None):
-        """The plan of ``layout`` with ``ckpt_units`` checkpointed and ``offload_units`` offloaded, their gradients on
-        the host or not (``grads``; None: where the offload allows and the solver prefers, ``best_placement``)."""
-        choices = [grads] if grads is not None else self.grad_choices(layout) if offload_units else [False]
+    def evaluate(self, layout, ckpt_units: int, offload_units: int = 0, place: Optional[tuple] = None):
+        """The plan of ``layout`` with ``ckpt_units`` checkpointed and ``offload_units`` offloaded, their gradients and
+        parameters on the host or not (``place``; None: where the offload allows and the solver prefers)."""
+        choices = [place] if place is not None else self.placements(layout) if offload_units else [(False, False)]
         return best_placement([evaluate(self.topo, layout, ckpt_units, self.model, self.train, self.mem, self.table,
                                         self.compute, self.objective, self.activations, offload_units=offload_units,
-                                        offload=self.offload, offload_grads=g) for g in choices])
+                                        offload=self.offload, offload_grads=g, offload_params=p) for g, p in choices])
 
     def fewest_offloaded(self, layout, ckpt_units: int) -> Evaluation:
-        """The fastest of the fewest offloaded units that fit, per placement of their gradients."""
-        e, _ = fewest_offloaded_placed(lambda o, g: self.evaluate(layout, ckpt_units, o, g),
-                                       self.offload.choices(len(self.model.unit_params())), self.grad_choices(layout))
+        """The fastest of the fewest offloaded units that fit, per placement of their gradients and parameters."""
+        e, _ = fewest_offloaded_placed(lambda o, place: self.evaluate(layout, ckpt_units, o, place),
+                                       self.offload.choices(len(self.model.unit_params())), self.placements(layout))
         return e
+
+
+def check_placement(spec: OffloadSpec, layout, topo: Topology) -> None:
+    """A fixed placement the layout cannot carry: one error naming the key."""
+    if spec.mode == "off":
+        return
+    if not spec.grad_choices(layout, topo.world_size):
+        raise LinsConfigError(f"lins.offload.g: \"cpu\" keeps gradients on the host, which needs G sharded over "
+                              f"every rank (no replica AllReduce after the ReduceScatter); {layout} shards G "
+                              f"{layout.g.size} ways on {topo.world_size} ranks")
+    if not spec.param_choices(layout):
+        raise LinsConfigError(f"lins.offload.p: \"cpu\" keeps parameters on the host, which needs s_p = s_os (the "
+                              f"host optimizer writes the P chunk; no P-sync); {layout} has s_p {layout.p.size}, "
+                              f"s_os {layout.os.size}")
 
 
 def host_capacity_gb(cfg: LinsConfig) -> float:
@@ -193,7 +205,7 @@ def host_capacity_gb(cfg: LinsConfig) -> float:
 def offload_spec(basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tuple = (torch.bfloat16,) * 2) -> tuple:
     """(OffloadSpec, host optimizer kind): lins.offload with this host's speeds, measured on every rank and
     rank 0's kept (every rank must price the same plan); "auto" never offloads on a CPU device."""
-    mode, fraction, grads = cfg.offload
+    mode, fraction, grads, params = cfg.offload
     if mode == "auto" and device.type != "cuda":
         mode = "off"
     if mode == "off":
@@ -201,7 +213,7 @@ def offload_spec(basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tupl
     capacity = host_capacity_gb(cfg)
     if device.type != "cuda":
         kind = "torch" if cfg.host_optimizer == "auto" else cfg.host_optimizer
-        return OffloadSpec(mode, fraction, HostSpec(capacity, source="assumed: a CPU device"), grads), kind
+        return OffloadSpec(mode, fraction, HostSpec(capacity, source="assumed: a CPU device"), grads, params), kind
     try:
         found, error = offload.measure(basic, cfg.host_optimizer, device, capacity, grad_dtypes=grad_dtypes), None
     except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
@@ -213,7 +225,7 @@ def offload_spec(basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tupl
     if error:
         raise LinsConfigError(error)
     host, kind = comm.broadcast_object(found)
-    return OffloadSpec(mode, fraction, host, grads), kind
+    return OffloadSpec(mode, fraction, host, grads, params), kind
 
 
 def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
@@ -282,17 +294,16 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
     summary = (f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {layout}"
                + (f", {k} of {n} layer units checkpointed" if k else ""))
     spec = offload[0] if offload is not None else OffloadSpec()
-    if spec.mode == "fixed" and not spec.grad_choices(layout, topo.world_size):
-        raise LinsConfigError(f"lins.offload.g: \"cpu\" keeps gradients on the host, which needs G sharded over "
-                              f"every rank (no replica AllReduce after the ReduceScatter); the fixed layout {layout} "
-                              f"shards G {layout.g.size} ways on {topo.world_size} ranks")
+    if spec.mode == "fixed":
+        check_placement(spec, layout, topo)
     try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
         table = get_cluster(cfg.cluster).table(cost.required_meshes(topo, [layout]))
         context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table, offload)
     except PlanError as e:  # a prediction never blocks a fixed plan; a fixed offload still applies
         if spec.mode == "fixed":
             plan = dataclasses.replace(plan, offload_units=spec.choices(n + 1)[0],
-                                       offload_grads=spec.grad_choices(layout, topo.world_size) == [True])
+                                       offload_grads=spec.grad_choices(layout, topo.world_size) == [True],
+                                       offload_params=spec.param_choices(layout) == [True])
         return plan, summary + _fixed_offload_note(plan) + f" (memory not predicted: {e})", None
     e = context.fewest_offloaded(layout, k)
     if spec.mode == "auto" and not e.fits_gpu:  # offload does not make this layout fit: none (the guard warns)
@@ -303,7 +314,8 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
                               "(lins.host_memory_gb / ranks per node)")
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
                                memory_profile=e.memory.activation_source, offload_units=e.offload_units,
-                               host_gb=e.memory.host_gb, offload_grads=e.offload_grads)
+                               host_gb=e.memory.host_gb, offload_grads=e.offload_grads,
+                               offload_params=e.offload_params)
     summary += _fixed_offload_note(plan)
     summary += (f"; predicted peak {e.memory.allocated_gb:.2f} GiB allocated, {e.memory.total_gb:.2f} GiB with "
                 f"margin and reserve (activations: {context.activations_note})")
@@ -313,7 +325,8 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
 
 
 def _fixed_offload_note(plan: Plan) -> str:
-    what = "optimizer state and gradients" if plan.offload_grads else "optimizer state"
+    what = "optimizer state" + (", gradients" if plan.offload_grads else "") + (", parameters" if plan.offload_params
+                                                                                else "")
     return f"; {what} of the last {plan.offload_units} unit(s) on the host" if plan.offload_units else ""
 
 

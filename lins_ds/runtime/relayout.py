@@ -224,7 +224,7 @@ def _replan(runtime, opt, plan: Plan, old: Plan, on_device_change, t0: float, ba
 
 def _describe(plan: Plan) -> str:
     return label(plan.layout, plan.activation_checkpointing_units, plan.num_layers, plan.offload_units,
-                 grads=plan.offload_grads)
+                 grads=plan.offload_grads, params=plan.offload_params)
 
 
 def _report(dev, t0: float, base: int, host_bytes: int) -> RelayoutReport:

@@ -21,12 +21,12 @@ import torch
 from .. import comm
 from ..plan import Plan
 from ..plan.layout import is_first_replica
-from ..plan.offload import grads_may_leave, hides_behind_forward
+from ..plan.offload import grads_may_leave, hides_behind_forward, params_may_leave
 from . import init_replay
 from .assign import assign_units, build_unit
 from .executor import Executor, Phase, Progress
 from .materialize import Materializer, is_deferred
-from .offload import HOST_PIECE, HostGrads
+from .offload import HOST_PIECE, HostGrads, HostParams
 from .unit import ParamState
 
 
@@ -75,7 +75,7 @@ class LinsRuntime:
         self.progress = Progress()
         self._executor = Executor(self.module, root, layers, self._reduce_dtype, self.progress)
         self.os_replicas = self.topo.world_size // self.layout.os.size
-        self.host_grads = None
+        self.host_grads = self.host_params = None
         self._place(plan)
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
@@ -89,14 +89,26 @@ class LinsRuntime:
         self._place(plan)
 
     def _place(self, plan: Plan) -> None:
-        """The plan's last ``offload_units`` units keep their OS on the host (forward order: root first), and with
-        ``offload_grads`` their G accumulators too (``HostGrads``); every other unit's G on the device."""
+        """The plan's last ``offload_units`` units keep their OS on the host (forward order: root first), with
+        ``offload_grads`` their G accumulators too (``HostGrads``), with ``offload_params`` their P chunks
+        (``HostParams``); every other unit's G and P on the device."""
         k = min(plan.offload_units, len(self.units))
         self.host_units = self.units[len(self.units) - k:] if k else []
         grads = self.host_units if plan.offload_grads else []
+        params = self.host_units if plan.offload_params else []
         if grads and not grads_may_leave(self.layout, self.topo.world_size):
             raise ValueError(f"lins: plan keeps gradients on the host, which {self.layout} on {self.topo.world_size} "
                              "ranks does not allow (a replica AllReduce follows its ReduceScatter)")
+        if params and not params_may_leave(self.layout):
+            raise ValueError(f"lins: plan keeps parameters on the host, which {self.layout} does not allow (s_p != "
+                             "s_os: a P-sync follows the update)")
+        if params and self.host_params is None:
+            self.host_params = HostParams(self.device)
+        for unit in self.units:
+            unit.place_params(self.host_params if unit in params else None)
+        self._place_grads(grads)
+
+    def _place_grads(self, grads: list) -> None:
         if self.host_grads is not None and self.host_grads.units() == grads:
             return  # the same units keep their host accumulators
         if self.host_grads is not None:
@@ -125,7 +137,7 @@ class LinsRuntime:
             unit.free()
         if self.host_grads is not None:
             self.host_grads.close()
-        self.units, self.host_units, self.host_grads = [], [], None
+        self.units, self.host_units, self.host_grads, self.host_params = [], [], None, None
 
     @property
     def destroyed(self) -> bool:

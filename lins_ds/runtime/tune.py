@@ -62,13 +62,15 @@ def candidates(context, count: int) -> list:
     best = fitting[0]
     depths = context.train.checkpoint_choices(context.model.num_layers)
     offloads = context.offload.choices(len(context.model.unit_params()))
-    near = choose.neighbours(best, lambda k, o: context.evaluate(best.layout, k, o, best.offload_grads and o > 0),
-                             depths, offloads)  # the neighbours keep the best's gradient placement; and the other
-    if best.offload_units and len(context.grad_choices(best.layout)) == 2:
-        other, _ = fewest_offloaded(lambda o: context.evaluate(best.layout, best.ckpt_units, o, not best.offload_grads),
-                                    offloads)
-        if other.fits and other.offload_units:
-            near.append((other, "gradient placement"))
+    place = (best.offload_grads, best.offload_params)
+    near = choose.neighbours(best, lambda k, o: context.evaluate(best.layout, k, o, place if o else (False, False)),
+                             depths, offloads)  # the neighbours keep the best's placement; and the others
+    for other_place in (context.placements(best.layout) if best.offload_units else []):
+        if other_place != place:
+            other, _ = fewest_offloaded(lambda o: context.evaluate(best.layout, best.ckpt_units, o, other_place),
+                                        offloads)
+            if other.fits and other.offload_units:
+                near.append((other, "placement"))
     return choose.candidates(fitting, near, count, context.topo.world_size,
                              lambda e: choose.predicted_step_s(e, context.model, context.train, context.compute))
 
@@ -77,7 +79,8 @@ def decision_key(context, cfg, launch: dict, optimizer: str) -> dict:
     """What a decision depends on: the launch (as the profiler's cache key), the model's shape, the batch, the
     dtypes and sequence length, the budget, the offload offered, the optimizer and the tuning settings."""
     return {**launch, "model": _plain(dataclasses.asdict(context.model)), "train": _plain(dataclasses.asdict(context.train)),
-            "memory": _plain(dataclasses.asdict(context.mem)), "offload": [context.offload.mode, context.offload.fraction, context.offload.grads],
+            "memory": _plain(dataclasses.asdict(context.mem)), "offload": [context.offload.mode, context.offload.fraction, context.offload.grads,
+                                                           context.offload.params],
             "objective": context.objective, "profile": cfg.profile, "optimizer": optimizer,
             "host_memory_gb": cfg.host_memory_gb, "host_optimizer": cfg.host_optimizer, "unit_modules": list(cfg.unit_modules or ()),
             "overlap_param_sync": cfg.overlap_param_sync, "tune": _plain(dataclasses.asdict(cfg.tune))}

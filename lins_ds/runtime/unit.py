@@ -12,6 +12,7 @@ The unit owns its state; callers ask for transitions, and each transition checks
                 SHARDED --start_param_sync--> SYNCING --wait_param_sync--> SHARDED
                 at rest --begin_host_update--> UPDATING --wait_param_sync--> at rest   (OS offloaded: the host
                 optimizer writes the P chunk; the unit's next use waits for it, docs/design.md §13)
+                (P on the host: at rest SHARDED; start_gather uploads the P chunk, and gathers it where s_p > 1)
                 (s_p == 1: GATHERED --start_param_sync--> SYNCING --wait_param_sync--> GATHERED)
     gradients   ACCUMULATING --start_reduce--> REDUCING --finish_reduce--> REDUCED
                 (s_g == 1: start_reduce goes straight to REDUCED; G on the host: the reduced chunk goes down to the
@@ -167,6 +168,7 @@ class Unit:
         # autograd accumulates in place and nothing is copied (DDP's gradient_as_bucket_view)
         self.accum_dtype, self._g_acc, self._grad_views = accum_dtype, None, None
         self.host_grads = None  # the HostGrads holding this unit's G accumulator, where the plan puts it on the host
+        self.host_params = None  # the HostParams uploading this unit's P chunk (held in p_shard, on the host)
         self.in_place = not self.sharded_g and accum_dtype == self.dtype
         self.param_state, self.grad_state = ParamState.GATHERED, GradState.ACCUMULATING
         self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
@@ -186,9 +188,14 @@ class Unit:
 
     # --- parameters ------------------------------------------------------------------------
     @property
+    def releases(self) -> bool:
+        """Whether the full parameters exist only while gathered for use: P sharded, or P on the host."""
+        return self.sharded_p or self.host_params is not None
+
+    @property
     def p_storage(self) -> torch.Tensor:
-        """This rank's P chunk, where the optimizer writes updated parameters."""
-        return self.p_shard if self.sharded_p else self.full
+        """This rank's P chunk, where the optimizer writes updated parameters (on the host with P there)."""
+        return self.p_shard if self.releases else self.full
 
     @property
     def p_base(self) -> int:
@@ -201,7 +208,30 @@ class Unit:
     @property
     def _at_rest(self) -> ParamState:
         """The parameters' state with nothing in flight and nothing gathered for use."""
-        return ParamState.SHARDED if self.sharded_p else ParamState.GATHERED
+        return ParamState.SHARDED if self.releases else ParamState.GATHERED
+
+    def place_params(self, host_params) -> None:
+        """Where the P chunk lives: on the host (``host_params``, a HostParams: pinned, uploaded before each use) or
+        on the device (None). At rest, nothing in flight."""
+        self._expect(self.param_state, (self._at_rest,), "place_params")
+        if (host_params is None) == (self.host_params is None):
+            self.host_params = host_params
+            return
+        with torch.no_grad():
+            if host_params is not None:
+                host = host_params.empty(self.spec.p_size, self.dtype)
+                host.copy_(self.p_storage)
+                if not self.sharded_p:
+                    self.full.untyped_storage().resize_(0)
+                self.p_shard, self.host_params, self.param_state = host, host_params, ParamState.SHARDED
+            else:
+                host, self.host_params = self.p_shard, None
+                if self.sharded_p:
+                    self.p_shard = host.to(self.device)
+                else:
+                    self.full.untyped_storage().resize_(self.spec.padded * self.full.element_size())
+                    self.full.copy_(host)
+                    self.p_shard, self.param_state = None, ParamState.GATHERED
 
     def start_gather(self) -> None:
         """Launch the AllGather of the full parameters without waiting (prefetch); once per use: nothing to do
@@ -215,8 +245,11 @@ class Unit:
         nbytes = self.spec.padded * self.full.element_size()
         if self.full.untyped_storage().size() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
-        self._gather_work = comm.all_gather(self.groups, "p", self.full, self.p_shard, async_op=True,
-                                            tag=self.name)
+        if self.host_params is not None:
+            self._gather_work = self.host_params.gather(self)
+        else:
+            self._gather_work = comm.all_gather(self.groups, "p", self.full, self.p_shard, async_op=True,
+                                                tag=self.name)
         self.param_state = ParamState.GATHERING
 
     def wait_gather(self) -> None:
@@ -232,7 +265,7 @@ class Unit:
     def release(self) -> None:
         """Free the full buffer (s_p > 1), never while a collective still writes into it. Nothing to do when it
         is not gathered (SHARDED, or SYNCING: a unit the last forward did not use)."""
-        if not self.sharded_p or self.param_state in (ParamState.SHARDED, ParamState.SYNCING, ParamState.UPDATING):
+        if not self.releases or self.param_state in (ParamState.SHARDED, ParamState.SYNCING, ParamState.UPDATING):
             return
         self.wait_gather()
         self.full.untyped_storage().resize_(0)
@@ -287,7 +320,7 @@ class Unit:
         for s in self.slots:
             s.param.grad = None
             s.param.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(s.shape)
-        self.full = self.p_shard = self._g_acc = self._grad_views = None
+        self.full = self.p_shard = self._g_acc = self._grad_views = self.host_params = None
 
     # --- gradients -------------------------------------------------------------------------
     def place_grads(self, host_grads) -> None:
