@@ -374,10 +374,24 @@ def test_zero_offload_config_is_read_as_lins_offload():
     for read, overridden, read3 in run(zero_offload_runs, WORLD, cases, gpus_per_node=GPUS_PER_NODE):
         check_read_as_lins_offload(read, UNITS)
         check_read_as_lins_offload(read3, UNITS)
-        assert read["host_param_units"] == [] and read3["host_param_units"] == list(range(UNITS)), read3
+        assert read["host_param_units"] == [], read
         assert isinstance(overridden, dict), overridden
         assert overridden["offload_units"] == 0 and not overridden["has_host"]
         assert overridden["zero_cpu_offload"] is False
+
+
+def test_zero3_offload_param_reads_as_parameters_the_solver_may_place_on_the_host():
+    from lins_ds.runtime.config import translate_zero_offload
+
+    cfg = zero_offload(ratio=0.5)
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    new, notes = translate_zero_offload({**cfg, "lins": {}})
+    assert new["lins"]["offload"] == {"os": "cpu", "os_fraction": 0.5, "p": "auto"}
+    assert "offload_param" not in new["zero_optimization"] and "offload_optimizer" not in new["zero_optimization"]
+    assert len(notes) == 1 and "offload_optimizer and offload_param read as" in notes[0], notes
+    alone = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "lins": {}}
+    new, notes = translate_zero_offload(alone)
+    assert "offload" not in new["lins"] and "offload_param ignored" in notes[0], notes
 
 
 def test_zero_offload_ratio_is_the_offloaded_fraction():

@@ -207,7 +207,7 @@ class LinsEngine(DeepSpeedEngine):
             self.lins.gather_all()
 
     def _copy_out_state_dict(self, module, state_dict, prefix, local_metadata):
-        if self.lins is None or not self.lins.layout.p.size > 1:
+        if self.lins is None or not any(u.releases for u in self.lins.units):  # views of buffers a release frees
             return state_dict
         for k, v in state_dict.items():
             if isinstance(v, torch.Tensor):

@@ -258,7 +258,7 @@ class LinsConfig:
         return Layout(f["p"], f["g"], f["os"])
 
 
-AUTO_ALLOWED = ("lins.offload", "lins.host_optimizer")
+AUTO_ALLOWED = ("lins.offload", "lins.offload.g", "lins.offload.p", "lins.host_optimizer")
 
 
 def _find_auto(obj, path="lins"):
@@ -300,7 +300,7 @@ def translate_zero_offload(ds_config: dict) -> tuple:
     """(config, notes) for a ZeRO-Offload config switched to Lins (a ``lins`` block on): its
     ``zero_optimization.offload_optimizer`` (device "cpu"; ``ratio``, DeepSpeed's partial offload, the fraction)
     becomes ``lins.offload``'s fixed form unless the lins block sets ``offload``, with ``offload_param`` (device
-    "cpu") as its ``"p": "cpu"``; an ``offload_param`` without ``offload_optimizer`` is dropped with a note.
+    "cpu") as its ``"p": "auto"`` (the solver may keep parameters on the host where the layout allows); an ``offload_param`` without ``offload_optimizer`` is dropped with a note.
     DeepSpeed gets a copy without either, so that it neither rejects them (a ratio below 1 outside stage 3) nor
     builds its own CPU optimizer."""
     zero = ds_config.get("zero_optimization")
@@ -318,9 +318,9 @@ def translate_zero_offload(ds_config: dict) -> tuple:
         ratio = oo.get("ratio", 1.0)
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise LinsConfigError(f"zero_optimization.offload_optimizer.ratio: {ratio!r} is not a number in (0, 1]")
-        params = _offload_device(op) == "cpu"  # ZeRO-3's offload_param: the same units' P on the host too
+        params = _offload_device(op) == "cpu"  # ZeRO-3's offload_param: the same units' P on the host, if it pays
         if isinstance(new.get("lins"), dict) and "offload" not in new["lins"]:
-            fixed = {"os": "cpu", "os_fraction": float(ratio), **({"p": "cpu"} if params else {})}
+            fixed = {"os": "cpu", "os_fraction": float(ratio), **({"p": "auto"} if params else {})}
             new["lins"] = {**new["lins"], "offload": fixed}
             notes.append(f"zero_optimization.offload_optimizer{' and offload_param' if params else ''} read as "
                          f"\"lins\": {{\"offload\": {json.dumps(fixed)}}} (Lins' host optimizer; DeepSpeed builds none)")

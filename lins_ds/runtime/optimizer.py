@@ -98,7 +98,7 @@ class MasterSlice:
         src = os_range.params()
         self.aliased = src.dtype == torch.float32 and not on_host  # fp32 params are their own master copy
         if on_host:
-            master = host_empty(src.numel(), torch.float32, src.device)
+            master = host_empty(src.numel(), torch.float32, os_range.unit.device)  # src is on the host with P there
             master.copy_(src)
         else:
             master = src if self.aliased else src.float().clone()
@@ -277,8 +277,9 @@ class LinsOptimizer(ZeROOptimizer):
         if self.host is None:
             return 0.0
         self.host.join()
-        grads = self.runtime.host_grads
-        return (self.host.nbytes() + (grads.nbytes() if grads is not None else 0)) / 2**30
+        grads, units = self.runtime.host_grads, self.runtime.units
+        params = sum(u.p_shard.nbytes for u in units if u.host_params is not None)  # the P chunks on the host
+        return (self.host.nbytes() + (grads.nbytes() if grads is not None else 0) + params) / 2**30
 
     def _grad_norm(self, inv_scale: float) -> torch.Tensor:
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""

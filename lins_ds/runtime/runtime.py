@@ -65,17 +65,29 @@ class LinsRuntime:
             return build_unit(name, mods, params, self._group_of, self.topo, self.layout, self.groups,
                               self._accum_dtype, self._reduce_dtype, mat, device, is_root)
 
-        self.units = []
-        root = build("root", [], root_params, is_root=True) if root_params else None
-        self.units = [root] if root is not None else []  # read-only: root first, then the layers
+        # the plan's last offload_units units with P on the host go there as each is built: the whole model's P is
+        # never on the device at once (docs/design.md §13)
+        n_units = (1 if root_params else 0) + len(layer_entries)
+        first_host_p = n_units - min(plan.offload_units, n_units) if plan.offload_params else n_units
+        self.host_params = None
+
+        def placed(unit):
+            if len(self.units) >= first_host_p:
+                self.host_params = self.host_params or HostParams(unit.device)
+                unit.place_params(self.host_params)
+            self.units.append(unit)
+            return unit
+
+        self.units = []  # read-only: root first, then the layers
+        root = placed(build("root", [], root_params, is_root=True)) if root_params else None
         for name, mods, params in layer_entries:
-            self.units.append(build(name, mods, params))
+            placed(build(name, mods, params))
         layers = self.units[1:] if root is not None else self.units
         self.device = self.units[0].device if self.units else (device or torch.device("cpu"))
         self.progress = Progress()
         self._executor = Executor(self.module, root, layers, self._reduce_dtype, self.progress)
         self.os_replicas = self.topo.world_size // self.layout.os.size
-        self.host_grads = self.host_params = None
+        self.host_grads = None
         self._place(plan)
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
@@ -261,7 +273,7 @@ class LinsRuntime:
         self.groups.destroy()
         if self.host_grads is not None:
             self.host_grads.close()
-        if self.layout.p.size > 1:  # the module keeps only this rank's P chunks: refuse to run it
+        if any(u.releases for u in self.units):  # the module keeps only P chunks (or host copies): refuse to run it
             self.module.register_forward_pre_hook(_sharded_after_destroy)
 
 

@@ -212,11 +212,12 @@ class Unit:
 
     def place_params(self, host_params) -> None:
         """Where the P chunk lives: on the host (``host_params``, a HostParams: pinned, uploaded before each use) or
-        on the device (None). At rest, nothing in flight."""
-        self._expect(self.param_state, (self._at_rest,), "place_params")
+        on the device (None). Nothing in flight; a gathered copy is released first."""
         if (host_params is None) == (self.host_params is None):
             self.host_params = host_params
             return
+        self.release()
+        self._expect(self.param_state, (self._at_rest,), "place_params")
         with torch.no_grad():
             if host_params is not None:
                 host = host_params.empty(self.spec.p_size, self.dtype)
