@@ -177,7 +177,7 @@ class HostGrads:
     def __init__(self, units: list, accum_dtype: torch.dtype, device: torch.device):
         self.device, self.accum_dtype = device, accum_dtype
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.acc = {u: host_empty(self._size(u), accum_dtype, device).zero_() for u in units}
+        self.acc = {u: host_empty(u.g_numel, accum_dtype, device).zero_() for u in units}
         self._down: dict = {}  # unit -> the buffer a micro-batch's gradient lands in before the thread adds it
         self._free = {u: threading.Event() for u in units}  # the thread is done with the unit's down buffer
         for ev in self._free.values():
@@ -192,10 +192,6 @@ class HostGrads:
         self._thread.start()
         self.ends_window = True
         self.waited_s = 0.0  # how long the training thread has blocked on the host's gradient work, in total
-
-    @staticmethod
-    def _size(unit) -> int:
-        return unit.spec.g_size if unit.sharded_g else unit.spec.padded
 
     def units(self) -> list:
         return list(self.acc)
@@ -532,11 +528,17 @@ def _time_update(basic, kind: str, device: torch.device, elems: int) -> tuple:
     opt = HostOptimizer(probe, [[p]], kind, device)
     grad, up = host_empty(elems, torch.bfloat16, device).fill_(1e-3), host_empty(elems, torch.bfloat16, device)
     scratch, hyper = torch.empty(elems, dtype=torch.float32), opt.hyperparameters()
-    update_piece(opt, p, grad, up, scratch, 1.0, hyper)  # warm-up: state allocation
+    return _per_second(lambda: update_piece(opt, p, grad, up, scratch, 1.0, hyper), elems), opt.name
+
+
+def _per_second(work, elems: int, reps: int = 3) -> float:
+    """Elements per second of ``work`` over ``elems`` elements: one untimed call (state allocation, page faults),
+    then ``reps`` timed."""
+    work()
     t0 = time.perf_counter()
-    for _ in range(3):
-        update_piece(opt, p, grad, up, scratch, 1.0, hyper)
-    return 3 * elems / (time.perf_counter() - t0), opt.name
+    for _ in range(reps):
+        work()
+    return reps * elems / (time.perf_counter() - t0)
 
 
 def _time_accumulate(device: torch.device, elems: int, accum: torch.dtype, reduce: torch.dtype) -> tuple:
@@ -545,14 +547,7 @@ def _time_accumulate(device: torch.device, elems: int, accum: torch.dtype, reduc
     down = host_empty(elems, reduce, device).fill_(1e-3)
     acc = host_empty(elems, accum, device).zero_()
     scratch = torch.empty(min(elems, HOST_PIECE), dtype=torch.float32)
-    rates = []
-    for work in (lambda: acc.add_(down), lambda: square_sum(acc, scratch)):
-        work()  # warm-up: page faults
-        t0 = time.perf_counter()
-        for _ in range(3):
-            work()
-        rates.append(3 * elems / (time.perf_counter() - t0))
-    return tuple(rates)
+    return _per_second(lambda: acc.add_(down), elems), _per_second(lambda: square_sum(acc, scratch), elems)
 
 
 def _time_copies(device: torch.device, elems: int) -> tuple:

@@ -284,20 +284,17 @@ class LinsOptimizer(ZeROOptimizer):
     def _grad_norm(self, inv_scale: float) -> torch.Tensor:
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""
         rt = self.runtime
-        sq = torch.zeros((), dtype=torch.float32, device=rt.device)
+        host = rt.host_grads is not None  # then a second element: the ranks whose host gradient work failed
+        sq = torch.zeros(2 if host else 1, dtype=torch.float32, device=rt.device)
         for g in rt.os_grads():  # accumulated in fp32 without an fp32 copy of the chunk
-            sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32).square()
-        host = rt.host_grad_square_sum()  # G on the host: taken there as the gradients came down (docs/design.md §13)
-        if host:
-            sq += host
+            sq[0] += torch.linalg.vector_norm(g, 2, dtype=torch.float32).square()
+        if host:  # G on the host: its norm taken there as the gradients came down (docs/design.md §13)
+            sq[0] += rt.host_grad_square_sum()
+            sq[1] = 1.0 if rt.host_grad_error() else 0.0
         comm.all_reduce(rt.groups, "world", sq, tag="grad-norm")  # every OS chunk is held by world/s_os replicas
-        if rt.host_grads is not None:  # a host failure on one rank raises on every rank, after the collective
-            error = rt.host_grad_error()
-            if rt.topo.world_size > 1:
-                error = comm.agree(error or None)
-            if error:
-                raise RuntimeError(error)
-        return (sq / rt.os_replicas).sqrt() * inv_scale
+        if host and sq[1].item():  # a host failure on any rank raises on every rank, after the collective
+            raise RuntimeError(rt.host_grad_error() or "lins: adding gradients on the host failed on another rank")
+        return (sq[0] / rt.os_replicas).sqrt() * inv_scale
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -68,7 +68,7 @@ class LinsRuntime:
         # the plan's last offload_units units with P on the host go there as each is built: the whole model's P is
         # never on the device at once (docs/design.md §13)
         n_units = (1 if root_params else 0) + len(layer_entries)
-        first_host_p = n_units - min(plan.offload_units, n_units) if plan.offload_params else n_units
+        first_host_p = _first_offloaded(plan, n_units) if plan.offload_params else n_units
         self.host_params = None
 
         def placed(unit):
@@ -104,8 +104,7 @@ class LinsRuntime:
         """The plan's last ``offload_units`` units keep their OS on the host (forward order: root first), with
         ``offload_grads`` their G accumulators too (``HostGrads``), with ``offload_params`` their P chunks
         (``HostParams``); every other unit's G and P on the device."""
-        k = min(plan.offload_units, len(self.units))
-        self.host_units = self.units[len(self.units) - k:] if k else []
+        self.host_units = self.units[_first_offloaded(plan, len(self.units)):]
         grads = self.host_units if plan.offload_grads else []
         params = self.host_units if plan.offload_params else []
         if grads and not grads_may_leave(self.layout, self.topo.world_size):
@@ -275,6 +274,11 @@ class LinsRuntime:
             self.host_grads.close()
         if any(u.releases for u in self.units):  # the module keeps only P chunks (or host copies): refuse to run it
             self.module.register_forward_pre_hook(_sharded_after_destroy)
+
+
+def _first_offloaded(plan: Plan, n_units: int) -> int:
+    """Index of the first of the plan's offloaded units: the last ``offload_units`` in forward order (root first)."""
+    return n_units - min(plan.offload_units, n_units)
 
 
 def _materialise_outside_units(module: torch.nn.Module, mat: Materializer, device: torch.device) -> None:

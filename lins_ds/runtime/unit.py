@@ -335,6 +335,11 @@ class Unit:
         self.attach_grads()
 
     @property
+    def g_numel(self) -> int:
+        """Elements of the G accumulator: this rank's G chunk, or the whole unit when s_g == 1."""
+        return self.spec.g_size if self.sharded_g else self.spec.padded
+
+    @property
     def g_acc(self) -> torch.Tensor:
         """The G accumulator: allocated when the window's first gradient of this unit arrives, freed after the
         optimizer step (``reset_grads``), so that a backward's start, where activations peak, holds none. Where the
@@ -342,8 +347,7 @@ class Unit:
         if self.host_grads is not None:
             return self.host_grads.acc[self]
         if self._g_acc is None:
-            size = self.spec.g_size if self.sharded_g else self.spec.padded
-            self._g_acc = torch.zeros(size, dtype=self.accum_dtype, device=self.device)
+            self._g_acc = torch.zeros(self.g_numel, dtype=self.accum_dtype, device=self.device)
         return self._g_acc
 
     @property
