@@ -101,7 +101,9 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
     """Bytes beyond the persistent state at each moment of a backward that can hold its peak, per term:
 
     head       the loss's backward: every layer's saved tensors, the head's peak, the root gathered and the top
-               layer prefetched (s_p > 1), the output embedding's .grad (held until the root is reduced)
+               layer prefetched (s_p > 1). Not the output embedding's .grad: autograd makes it after the loss's
+               fp32 tensors are gone (the probe's head peak holds its making); it is held until the root is
+               reduced, so the later phases count it
     layers     the top layer's backward (k < N): its transient, GATHERED_LAYERS layers gathered, one unit's
                .grad, the staging buffers and ReduceScatter outputs in flight, the replica AllReduce copies
     recompute  a checkpointed layer's backward (k > 0): its recompute on top of the checkpointed inputs
@@ -143,7 +145,7 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
         return reached * gb / s_g
 
     phases = {"head": {"grads": grads(0), "activations": kept + acts.head_peak,
-                       "gathered": gathered_root + gathered_layer, "grad_buffers": head_grads}}
+                       "gathered": gathered_root + gathered_layer, "grad_buffers": 0.0}}
     busy = {"gathered": gathered_root + GATHERED_LAYERS * gathered_layer, "grad_buffers": head_grads + reducing + copies}
     if k < n:
         phases["layers"] = {"grads": grads(1), "activations": kept + acts.layer_transient, **busy}
