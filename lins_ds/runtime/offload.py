@@ -24,6 +24,7 @@ import sys
 import threading
 from contextlib import nullcontext
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -35,12 +36,29 @@ from .config import LinsConfigError
 HOST_PIECE = 1 << 25  # elements per host master tensor (128 MiB in fp32): few enough calls that the worker rarely
 # waits for the GIL, small enough that the first update starts soon and memory-bound temporaries stay small
 SWITCH_INTERVAL_S = 5e-4  # while the worker runs: the training thread hands over the GIL within 0.5 ms, not 5
+REGISTER_MIN_BYTES = 1 << 20  # host_empty: smaller pinned buffers come from torch's caching allocator
 PREFER_DEEPSPEED = 1.25  # "auto" takes DeepSpeedCPUAdam only this much faster than torch's: it holds the GIL
 
 
 def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host memory for a copy to or from ``device``: pinned where the device is a GPU."""
-    return torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
+    """Host memory for a copy to or from ``device``: page-locked where the device is a GPU.
+
+    From ``REGISTER_MIN_BYTES`` on, the tensor is allocated pageable and registered with CUDA
+    (``cudaHostRegister``, as torch.distributed.checkpoint's stager does; unregistered when its storage dies)
+    rather than taken from torch's pinned caching allocator, which rounds every block up to a power of two: a
+    113 M-parameter layer's bf16 gradient (226 MB) would hold 256 MiB, 4 GiB more host memory over a 2.9 B
+    model's offloaded state."""
+    if device.type != "cuda":
+        return torch.empty(n, dtype=dtype)
+    if n * dtype.itemsize < REGISTER_MIN_BYTES:
+        return torch.empty(n, dtype=dtype, pin_memory=True)
+    import torch.cuda._pin_memory_utils as pinning
+
+    t = torch.empty(n, dtype=dtype)
+    storage = t.untyped_storage()
+    pinning.pin_memory(storage.data_ptr(), storage.nbytes())
+    weakref.finalize(storage, pinning.unpin_memory, storage.data_ptr()).atexit = False  # not after CUDA is gone
+    return t
 
 
 def adam_mode(basic) -> Optional[bool]:
