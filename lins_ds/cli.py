@@ -79,7 +79,8 @@ def _offload_spec(args: argparse.Namespace, topo):
     if not args.host_memory_gb:
         raise SystemExit("lins-ds plan: --offload auto needs --host-memory-gb (the host memory per node)")
     return OffloadSpec("auto", host=HostSpec(args.host_memory_gb / topo.gpus_per_node, args.host_update_gelems * 1e9,
-                                             args.host_copy_gbs, args.host_copy_gbs, source="given (lins-ds plan)"))
+                                             args.host_copy_gbs, args.host_copy_gbs, source="given (lins-ds plan)"),
+                       params="needed")  # as the engine's "auto": parameters on the host only where nothing else fits
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

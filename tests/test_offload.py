@@ -546,10 +546,16 @@ def test_parameters_on_the_host_lower_the_floor_again():
     budget = with_g.total_gb - 2
     with pytest.raises(NoFeasiblePlan):
         solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto())  # P stays on the GPU unless asked
-    sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE,
-                offload=OffloadSpec("auto", host=BIG_HOST, params="auto"))
-    assert sol.plan.offload_params and sol.plan.offload_grads and sol.best.memory.total_gb <= budget
-    assert "OS, G and P" in describe(sol.best) and Plan.from_json(sol.plan.to_json()) == sol.plan
+    for params in ("auto", "needed"):  # "needed" (lins.offload "auto"): to the host here, where nothing else fits
+        sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE,
+                    offload=OffloadSpec("auto", host=BIG_HOST, params=params))
+        assert sol.plan.offload_params and sol.plan.offload_grads and sol.best.memory.total_gb <= budget
+        assert "OS, G and P" in describe(sol.best) and Plan.from_json(sol.plan.to_json()) == sol.plan
+    # where a plan fits with P on the GPU, "needed" keeps it there, whatever the time model says of the other
+    fits = solve(MODEL, TOPO, TRAIN, MemorySpec(with_g.total_gb + 0.5), TABLE,
+                 offload=OffloadSpec("auto", host=BIG_HOST, params="needed"))
+    assert fits.plan.offload_units and not fits.plan.offload_params
+    assert not any(e.offload_params for e in fits.fitting)
     topo = Topology(2, 2)
     spec = OffloadSpec("fixed", host=BIG_HOST, grads="cpu", params="cpu")
     for lay in candidates(topo):

@@ -23,6 +23,7 @@ from .topology import Layout, PlanError
 
 MODES = ("off", "auto", "fixed")
 GRAD_PLACES = ("auto", "cpu", "gpu")  # the offloaded units' G (or P): the solver's choice, always the host, never
+PARAM_PLACES = GRAD_PLACES + ("needed",)  # P also "needed": on the host only where no plan fits with P on the GPU
 HOST_STATE_BYTES = 4 + 8  # fp32 master and Adam's two fp32 moments, always on the host for an offloaded unit
 
 
@@ -53,15 +54,15 @@ class OffloadSpec:
     fraction: float = 1.0
     host: Optional[HostSpec] = None
     grads: str = "auto"  # the offloaded units' G on the host: "auto" (where the layout lets it), "cpu", "gpu"
-    params: str = "gpu"  # the offloaded units' P on the host: the same choices; only when asked for ("cpu", "auto")
+    params: str = "gpu"  # the offloaded units' P on the host: the same choices, or "needed" (lins.offload "auto")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise PlanError(f"offload: {self.mode!r} is not one of {MODES}")
         if self.grads not in GRAD_PLACES:
             raise PlanError(f"offload.g: {self.grads!r} is not one of {GRAD_PLACES}")
-        if self.params not in GRAD_PLACES:
-            raise PlanError(f"offload.p: {self.params!r} is not one of {GRAD_PLACES}")
+        if self.params not in PARAM_PLACES:
+            raise PlanError(f"offload.p: {self.params!r} is not one of {PARAM_PLACES}")
         if not 0 < self.fraction <= 1:
             raise PlanError(f"offload.os_fraction: {self.fraction!r} is not in (0, 1]")
         if self.mode != "off" and self.host is None:
@@ -92,7 +93,7 @@ class OffloadSpec:
 
 
 def _choices(want: str, allowed: bool) -> list:
-    if want in ("off", "gpu"):
+    if want in ("off", "gpu", "needed"):  # "needed": the solver widens to "auto" only where nothing fits
         return [False]
     if want == "cpu":
         return [True] if allowed else []

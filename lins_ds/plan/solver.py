@@ -311,7 +311,8 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
           compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None, objective: str = "step",
           activations: Optional[ActivationProfile] = None, offload: OffloadSpec = OffloadSpec()) -> Solution:
     """The fastest fitting plan; raises NoFeasiblePlan naming the smallest plan and its deficit. Per layout and
-    checkpointing choice, the fewest offloaded units that fit (``offload``: none unless its mode allows)."""
+    checkpointing choice, the fewest offloaded units that fit (``offload``: none unless its mode allows). With
+    ``offload.params`` "needed", the offloaded units' parameters go to the host only where no plan fits without."""
     if objective not in OBJECTIVES:
         raise PlanError(f"objective: {objective!r} is not one of {OBJECTIVES}")
     t0 = time.perf_counter()
@@ -349,6 +350,9 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
                         "lins.offload.p: \"cpu\" keeps parameters on the host, which needs a layout with s_p = s_os "
                         "(no P-sync) and the gradient placement asked for; none of the layouts considered is")
     fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
+    if not fitting and offload.params == "needed":
+        return solve(model, topo, train, mem, table, compute, layouts, objective, activations,
+                     replace(offload, params="auto"))
     if not fitting:
         raise _no_plan(least_host or smallest, mem)
     best = fitting[0]

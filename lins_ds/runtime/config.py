@@ -137,8 +137,8 @@ def _offload(key, value):
     """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f, "g": "cpu" | "gpu", "p": "cpu" | "auto" |
     "gpu"}: (mode, fraction, where the offloaded units' gradients go: "auto" (the solver's choice), "cpu" or "gpu",
     and their parameters: the same, "gpu" unless asked)."""
-    if value == "auto":
-        return ("auto", 1.0, "auto", "gpu")
+    if value == "auto":  # parameters on the host only where nothing fits with them on the GPU
+        return ("auto", 1.0, "auto", "needed")
     if value is False:
         return ("off", 1.0, "gpu", "gpu")
     if not isinstance(value, dict):
@@ -218,7 +218,7 @@ class LinsConfig:
                                      "`false` waits in `step()`")
     init: str = _rule("eager", _one_of(("eager", "per_module")), "values of a model built under `lins_ds.init`: "
                       "the eager build's, or `\"per_module\"` (each module's init, seeded by its name; faster)")
-    offload: tuple = _rule(("auto", 1.0, "auto", "gpu"), _offload,
+    offload: tuple = _rule(("auto", 1.0, "auto", "needed"), _offload,
                            "OS, G and P on the host: `\"auto\"` (the solver decides; never on CPUs), `false`, or "
                            "`{\"os\": \"cpu\", \"os_fraction\": f, \"g\": \"cpu\", \"p\": \"cpu\"}`", "`\"auto\"`")
     host_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib),
