@@ -11,6 +11,9 @@
 #         reading the ZeRO-Offload config itself (stage 0 + "lins": {}: every unit's OS on the host)
 #  7b     LLaMA-7B, seq 2048, micro-batch 1, gas 1, Lins with "gpu_memory_gb": 80 (the solver picks
 #         checkpointing and offload)
+# and of the parameter placement: p-smoke p-3b (P_BUDGET, 9.3 GiB by default); ratio (RATIOS="0.5" by default:
+# DeepSpeed ZeRO-3 + offload_optimizer.ratio); z2 (DeepSpeed ZeRO-2 + offload_optimizer alone). BREAKDOWN=1:
+# every 3b run times forward, backward and step apart; HOLD=1: keeps the logits until the backward (runs "_hold").
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 # EXPANDABLE=1: the caching allocator grows segments instead of caching fixed blocks (less fragmentation; runs "_exp")
@@ -24,9 +27,11 @@ run() {  # run <name> <timeout s> <bench.train args...>
   echo "rc $?" >> "$OUT/$name.log"
   grep -E "^step|Lins plan|optimizer state on|offload:|lins memory|lins host|lins start-up|Error|error:|Killed|rc |no plan" \
     "$OUT/$name.log" | grep -v "^step    [3-7] " | tail -14 | tee -a "$OUT/log.txt"
+  grep -E "^host memory used" "$OUT/$name.log" | tee -a "$OUT/log.txt"
 }
 M3=bench/models/llama-2.9b.json
-B3=(--model $M3 --seq-len 4096 --micro-batch-size 2 --grad-accum 2 --steps 8 --warmup-steps 3 --checkpointing)
+B3=(--model $M3 --seq-len 4096 --micro-batch-size 2 --grad-accum 2 --steps 8 --warmup-steps 3 --checkpointing
+    ${BREAKDOWN:+--breakdown} ${HOLD:+--hold-outputs})
 L=(--lins-init per_module)
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(smoke 3b-lins 3b-ds 3b-more 7b)
 for part in "${parts[@]}"; do
@@ -42,6 +47,8 @@ for part in "${parts[@]}"; do
   3b-ds)
     run 3b_zero2_offload 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
     run 3b_zero3_offload 240 --deepspeed_config ds_configs/zero3_offload.json "${B3[@]}" ;;
+  z2)
+    run 3b_zero2_offload 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" ;;
   3b-more)  # FP=<GiB>: the footprint when 3b ran in another call
     fp=${FP:-$(python3 -c "import json,sys; r=[json.load(open(f)) for f in sys.argv[1:]]; r=[x for x in r if x.get('median_step_s')]
 b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 2.0, 2))" \
@@ -64,8 +71,26 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
   g-3b)  # Lins "auto" (OS and now G placement) at DeepSpeed's two full-offload footprints and 40 GiB; each run's
     # caching allocator capped at its budget less Lins' 2 GiB reserve (--gpu-cap-gb: the card it plans for)
     for b in ${BUDGETS:-19.28 13.29 40}; do
-      run 3b_lins_g_$b${EXPANDABLE:+_exp} 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb $b \
+      run 3b_lins_g_$b${EXPANDABLE:+_exp}${HOLD:+_hold} 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb $b \
         --gpu-cap-gb $(python3 -c "print($b - 2)") "${L[@]}"
+    done ;;
+  p-smoke)  # the offloaded units' parameters on the host too (upload stream, a unit released after use)
+    run smoke_p 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 --warmup-steps 2 \
+      --lins-offload '{"os": "cpu", "g": "cpu", "p": "cpu"}' "${L[@]}"
+    run smoke_half_p 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 --warmup-steps 2 \
+      --lins-offload '{"os": "cpu", "os_fraction": 0.5, "g": "cpu", "p": "cpu"}' "${L[@]}" ;;
+  p-3b)  # every unit's P, G and OS on the host, under a budget the G floor (12.2 GiB) does not fit: by default
+    # DeepSpeed ZeRO-3 Offload's allocated peak (7.11 GiB) + Lins' 2 GiB reserve, the allocator capped 2 GiB lower
+    b=${P_BUDGET:-9.3}
+    run 3b_lins_p_$b${EXPANDABLE:+_exp}${HOLD:+_hold} 300 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb $b \
+      --gpu-cap-gb $(python3 -c "print($b - 2)") --lins-offload '{"os": "cpu", "g": "cpu", "p": "cpu"}' "${L[@]}" ;;
+  ratio)  # DeepSpeed's partial offload at the ratios given (the fraction of the OS on the host)
+    # the ratio is applied per sub-group (zero_optimization.sub_group_size, 1e9 elements by default: 3 for this
+    # model, so 0.5 and 0.6 both offload 2 of 3); SUB_GROUP=<elements> makes it finer (runs "_sg<elements>")
+    for r in ${RATIOS:-0.5}; do
+      run 3b_zero3_ratio_$r${SUB_GROUP:+_sg$SUB_GROUP} 300 --deepspeed_config ds_configs/zero3_offload_ratio.json \
+        "${B3[@]}" --ds-set zero_optimization.offload_optimizer.ratio=$r \
+        ${SUB_GROUP:+--ds-set zero_optimization.sub_group_size=$SUB_GROUP}
     done ;;
   7b-cap)  # the 7B at 80 GiB on an emulated 80 GiB card (allocator capped at 78 GiB)
     run 7b_lins_80_cap${EXPANDABLE:+_exp} 400 --deepspeed_config ds_configs/lins_offload.json --model 7b --seq-len 2048 \

@@ -27,6 +27,7 @@ from lins_ds.tools.llama import llama_config, progressions
 
 from .baselines import emulate_nodes, model_init_context
 from .host import seconds_per_module
+from .host_memory import HostMemory
 
 H200_BF16_TFLOPS = 989.0
 
@@ -54,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace-summary", help="write a torch.profiler summary of two steps after warm-up here")
     p.add_argument("--gpu-cap-gb", type=float, help="emulate a smaller GPU: the caching allocator may hold at most "
                    "this many GiB (torch.cuda.set_per_process_memory_fraction); beyond it, it frees its cache, then fails")
+    p.add_argument("--breakdown", action="store_true", help="time forward, backward and step apart (the GPU "
+                   "synchronized at each boundary): medians per step in the summary's \"breakdown_s\"")
+    p.add_argument("--hold-outputs", action="store_true", help="keep the model's outputs (the logits) until the "
+                   "backward is done, as `outputs = model(**batch); loss = outputs.loss; backward(loss)` loops do")
+    p.add_argument("--ds-set", action="append", default=[], metavar="KEY=JSON",
+                   help="set a key of the DeepSpeed config, dotted, e.g. zero_optimization.offload_optimizer.ratio=0.5")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1)
@@ -69,6 +76,13 @@ def ds_config_for(args: argparse.Namespace) -> dict:
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
     cfg = load_ds_config(args.deepspeed_config)
+    for item in args.ds_set:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = cfg
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = json.loads(value)
     for key, value in (("train_micro_batch_size_per_gpu", args.micro_batch_size),
                        ("gradient_accumulation_steps", args.grad_accum)):
         if value:
@@ -131,7 +145,7 @@ def train(args, engine, model, device) -> tuple:
     data = progressions(model.config.vocab_size, args.seq_len, engine.train_micro_batch_size_per_gpu(),
                         args.seed + rank, device)
     gas = engine.gradient_accumulation_steps()
-    losses, times, tracer, memory = [], [], trace(args, rank, cuda), Memory(cuda)
+    losses, times, breakdown, tracer, memory = [], [], [], trace(args, rank, cuda), Memory(cuda)
     memory.mark("after deepspeed.initialize")
     for step in range(args.steps):
         if tracer is not None and step == args.warmup_steps:
@@ -140,15 +154,24 @@ def train(args, engine, model, device) -> tuple:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         total = torch.zeros((), device=device)
+        clock = Phases(args.breakdown and cuda)
         for micro in range(gas):
             x = next(data)
-            loss = engine(input_ids=x, labels=x).loss
+            out = engine(input_ids=x, labels=x)
+            loss = out.loss
+            if not args.hold_outputs:  # HF Trainer's loop: the logits go before the backward
+                del out
+            clock.lap("forward")
             memory.mark(f"forward {micro}") if step == 0 else None
             engine.backward(loss)
+            out = None
+            clock.lap("backward")
             memory.mark(f"backward {micro}") if step == 0 else None
             engine.step()
+            clock.lap("step")
             memory.mark(f"step {micro}") if step == 0 else None
             total += loss.detach().float() / gas
+        breakdown.append(clock.seconds)
         dist.all_reduce(total)
         if cuda:
             torch.cuda.synchronize()
@@ -160,7 +183,27 @@ def train(args, engine, model, device) -> tuple:
             tracer.__exit__(None, None, None)
             write_trace_summary(tracer, args.trace_summary, cuda)
             tracer = None
-    return losses, times, memory.phases
+    timed = breakdown[args.warmup_steps:] or breakdown
+    medians = {k: statistics.median(b[k] for b in timed) for k in timed[0]} if timed and timed[0] else None
+    return losses, times, memory.phases, medians
+
+
+class Phases:
+    """Seconds per phase of one step (summed over its micro-batches), the GPU synchronized at each boundary; a
+    no-op unless ``on``."""
+
+    def __init__(self, on: bool):
+        self.on, self.seconds = on, {}
+        if on:
+            torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.on:
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.t
+            self.t = now
 
 
 def trace(args, rank: int, cuda: bool):
@@ -253,12 +296,16 @@ def main(argv=None) -> dict:
     # the host's speed (bench/host.py), every rank at once, before the model and the engine exist: what
     # the process does later (the engine's hooks, its objects for the garbage collector) is the step's own cost
     host_s = max_over_ranks(seconds_per_module(device), device.type == "cuda")  # the slowest rank's
+    host_memory = HostMemory()
     engine, model, startup_s = build_engine(args, ds_config, device)
     startup = startup_memory(startup_s, device.type == "cuda")
-    losses, times, phases = train(args, engine, model, device)
+    losses, times, phases, breakdown = train(args, engine, model, device)
     summary = summarize(args, engine, losses, times, phases, startup, device.type == "cuda")
-    summary["host_s_per_module"] = host_s
-    summary["gpu_cap_gb"] = args.gpu_cap_gb
+    summary.update(host_s_per_module=host_s, gpu_cap_gb=args.gpu_cap_gb, breakdown_s=breakdown,
+                   host_memory=host_memory.stop())  # the machine's: every rank of this node in it
+    if dist.get_rank() == 0 and summary["host_memory"]:
+        print("host memory used: {before_gb:.2f} GiB before the engine, peak {peak_gb:.2f}, rise {rise_gb:.2f}"
+              .format(**summary["host_memory"]) + (f"; breakdown per step {breakdown}" if breakdown else ""))
     if dist.get_rank() == 0 and args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -56,3 +56,15 @@ def test_the_moved_commands_say_where_they_went(capsys):
 
     assert main(["bench", "--model", "1b"]) == 2
     assert "python -m bench run" in capsys.readouterr().err
+
+
+def test_ds_set_writes_a_dotted_key_of_the_deepspeed_config():
+    from bench.train import ds_config_for, parse_args
+
+    args = parse_args(["--deepspeed_config", "ds_configs/zero3_offload_ratio.json",
+                       "--ds-set", "zero_optimization.offload_optimizer.ratio=0.55",
+                       "--ds-set", "zero_optimization.sub_group_size=100000000", "--ds-set", "steps_per_print=1"])
+    cfg = ds_config_for(args)
+    zero = cfg["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.55}
+    assert zero["sub_group_size"] == 100000000 and zero["stage"] == 3 and cfg["steps_per_print"] == 1

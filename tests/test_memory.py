@@ -183,3 +183,19 @@ def test_the_replicated_layout_holds_no_more_than_zero1():
     zero1 = run(held_at_backward_start, 1, False)[0]
     for moment in lins:
         assert lins[moment] <= zero1[moment] * 1.01, (moment, lins, zero1)
+
+
+def test_the_loss_backward_does_not_hold_the_output_embedding_grad():
+    """The head's weight gradient is made after the loss's fp32 tensors are gone (the probe's head peak holds its
+    making): the head phase does not add it; the later phases, where it waits for the root's reduction, do."""
+    from lins_ds.plan.memory import backward_phases
+    from lins_ds.plan.topology import Factor, Layout
+
+    model, train, topo = BUILTIN_MODELS["llama-1b"], TrainingSpec(2048, 2, 2), Topology(1, 1)
+    one = Factor(1, 1)
+    acts = formula_activations(model, train)
+    units = len(model.unit_params())
+    phases = backward_phases(model, train, topo, Layout(one, one, one), model.num_layers, acts, host_grad_units=units)
+    head_grad = model.vocab * model.hidden * train.param_bytes
+    assert phases["head"]["grad_buffers"] == 0
+    assert phases["recompute"]["grad_buffers"] >= head_grad and phases["end"]["grad_buffers"] >= head_grad
