@@ -16,7 +16,7 @@ from lins_ds.plan import (ComputeSpec, MemorySpec, NoFeasiblePlan, PlanError, To
                           get_cluster, load_model, solve)
 from lins_ds.plan.memory import memory
 from lins_ds.plan import Plan
-from lins_ds.plan.offload import HostSpec, OffloadSpec, unit_seconds
+from lins_ds.plan.offload import HostSpec, OffloadSpec, unit_seconds, widened
 from lins_ds.plan.report import describe
 from lins_ds.plan.solver import evaluate
 
@@ -551,6 +551,8 @@ def test_parameters_on_the_host_lower_the_floor_again():
                     offload=OffloadSpec("auto", host=BIG_HOST, params=params))
         assert sol.plan.offload_params and sol.plan.offload_grads and sol.best.memory.total_gb <= budget
         assert "OS, G and P" in describe(sol.best) and Plan.from_json(sol.plan.to_json()) == sol.plan
+    needed = OffloadSpec("auto", host=BIG_HOST, params="needed")
+    assert widened(needed).params == "auto" and widened(auto()) == auto()  # what the engine's context then prices
     # where a plan fits with P on the GPU, "needed" keeps it there, whatever the time model says of the other
     fits = solve(MODEL, TOPO, TRAIN, MemorySpec(with_g.total_gb + 0.5), TABLE,
                  offload=OffloadSpec("auto", host=BIG_HOST, params="needed"))

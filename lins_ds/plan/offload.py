@@ -15,7 +15,7 @@ gradient down at the step (G on the GPU) or, during backward, each micro-batch's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .spec import GIB, TrainingSpec
@@ -90,6 +90,11 @@ class OffloadSpec:
         """(G on the host, P on the host) pairs the solver prices for ``layout``; [] when a placement this offload
         requires is not allowed."""
         return [(g, p) for g in self.grad_choices(layout, world) for p in self.param_choices(layout)]
+
+
+def widened(spec: OffloadSpec) -> OffloadSpec:
+    """``spec`` with parameters free to go to the host ("needed" becomes "auto": the solver prices both)."""
+    return replace(spec, params="auto") if spec.params == "needed" else spec
 
 
 def _choices(want: str, allowed: bool) -> list:

@@ -19,7 +19,7 @@ from typing import Optional
 from . import cost
 from .memory import ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
-from .offload import OffloadSpec, exposed_seconds as offload_exposed
+from .offload import OffloadSpec, exposed_seconds as offload_exposed, widened
 from .profile_table import ProfileTable
 from .spec import MemorySpec, TrainingSpec
 from .topology import Layout, PlanError, Topology, candidates, check_layout
@@ -351,8 +351,7 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
                         "(no P-sync) and the gradient placement asked for; none of the layouts considered is")
     fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
     if not fitting and offload.params == "needed":
-        return solve(model, topo, train, mem, table, compute, layouts, objective, activations,
-                     replace(offload, params="auto"))
+        return solve(model, topo, train, mem, table, compute, layouts, objective, activations, widened(offload))
     if not fitting:
         raise _no_plan(least_host or smallest, mem)
     best = fitting[0]

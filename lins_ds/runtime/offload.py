@@ -44,21 +44,32 @@ def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     """Host memory for a copy to or from ``device``: page-locked where the device is a GPU.
 
     From ``REGISTER_MIN_BYTES`` on, the tensor is allocated pageable and registered with CUDA
-    (``cudaHostRegister``, as torch.distributed.checkpoint's stager does; unregistered when its storage dies)
-    rather than taken from torch's pinned caching allocator, which rounds every block up to a power of two: a
-    113 M-parameter layer's bf16 gradient (226 MB) would hold 256 MiB, 4 GiB more host memory over a 2.9 B
-    model's offloaded state."""
+    (``cudaHostRegister``, as torch.distributed.checkpoint's stager does) rather than taken from torch's pinned
+    caching allocator, which rounds every block up to a power of two: a 113 M-parameter layer's bf16 gradient
+    (226 MB) would hold 256 MiB, 4 GiB more host memory over a 2.9 B model's offloaded state. Unlike that
+    allocator's blocks, nothing keeps registered memory alive for a copy in flight: when the storage dies (a
+    re-layout drops its owner) the device is synchronized before it is unregistered and freed."""
     if device.type != "cuda":
         return torch.empty(n, dtype=dtype)
     if n * dtype.itemsize < REGISTER_MIN_BYTES:
         return torch.empty(n, dtype=dtype, pin_memory=True)
-    import torch.cuda._pin_memory_utils as pinning
-
     t = torch.empty(n, dtype=dtype)
     storage = t.untyped_storage()
-    pinning.pin_memory(storage.data_ptr(), storage.nbytes())
-    weakref.finalize(storage, pinning.unpin_memory, storage.data_ptr()).atexit = False  # not after CUDA is gone
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 1)  # 1: portable
+    if int(err):
+        raise RuntimeError(f"lins.offload: page-locking {storage.nbytes() / 2**30:.2f} GiB of host memory failed "
+                           f"({cudart.cudaGetErrorString(err)}); lower lins.host_memory_gb or raise the "
+                           "locked-memory limit (ulimit -l)")
+    finalizer = weakref.finalize(storage, _unregister, storage.data_ptr(), device)
+    finalizer.atexit = False  # not after CUDA is gone
     return t
+
+
+def _unregister(ptr: int, device: torch.device) -> None:
+    """A registered buffer's storage died: no copy may still read or write it, then it is unregistered."""
+    torch.cuda.synchronize(device)
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def adam_mode(basic) -> Optional[bool]:

@@ -19,7 +19,7 @@ from deepspeed.utils import logger
 from .. import comm, dtypes
 from ..plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                     load_model, solve)
-from ..plan.offload import HostSpec, OffloadSpec
+from ..plan.offload import HostSpec, OffloadSpec, widened
 from ..plan.solver import Evaluation, NoFeasiblePlan, best_placement, evaluate, fewest_offloaded_placed
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
@@ -273,6 +273,8 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
         raise NoPlanFits(str(e)) from None
     except PlanError as e:
         raise LinsConfigError(str(e)) from None
+    if sol.plan.offload_params and context.offload.params == "needed":  # the solver needed them on the host: the
+        context = dataclasses.replace(context, offload=widened(context.offload))  # tuner's alternatives too
     summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}" + _offload_note(context, sol.plan)
     if context.model.unmodelled:
         summary += f"\n  model: {context.model.unmodelled}"
@@ -306,6 +308,11 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
                                        offload_params=spec.param_choices(layout) == [True])
         return plan, summary + _fixed_offload_note(plan) + f" (memory not predicted: {e})", None
     e = context.fewest_offloaded(layout, k)
+    if spec.mode == "auto" and not e.fits_gpu and spec.params == "needed":  # parameters on the host, if that fits
+        wider = dataclasses.replace(context, offload=widened(spec))
+        wide = wider.fewest_offloaded(layout, k)
+        if wide.fits_gpu:
+            context, e = wider, wide
     if spec.mode == "auto" and not e.fits_gpu:  # offload does not make this layout fit: none (the guard warns)
         e = context.evaluate(layout, k, 0)
     if e.memory.host_gb > e.host_capacity_gb:
