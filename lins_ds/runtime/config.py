@@ -136,7 +136,8 @@ OFFLOAD_KEYS = ("os", "os_fraction", "p", "g")
 def _offload(key, value):
     """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f, "g": "cpu" | "gpu", "p": "cpu" | "auto" |
     "gpu"}: (mode, fraction, where the offloaded units' gradients go: "auto" (the solver's choice), "cpu" or "gpu",
-    and their parameters: the same, "gpu" unless asked)."""
+    and their parameters: the same, "gpu" unless asked; under "auto" "needed": on the host only where nothing fits
+    with them on the GPU)."""
     if value == "auto":  # parameters on the host only where nothing fits with them on the GPU
         return ("auto", 1.0, "auto", "needed")
     if value is False:
