@@ -68,6 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.deepspeed_config:
         p.error("--deepspeed_config is required")
+    for item in args.ds_set:
+        key, eq, value = item.partition("=")
+        try:
+            json.loads(value)
+        except ValueError:
+            eq = ""
+        if not key or not eq:
+            p.error(f"--ds-set {item!r}: expected KEY=JSON, e.g. zero_optimization.offload_optimizer.ratio=0.5 "
+                    "or offload_optimizer.device='\"cpu\"'")
     return args
 
 
@@ -82,6 +91,8 @@ def ds_config_for(args: argparse.Namespace) -> dict:
         node = cfg
         for name in parents:
             node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise SystemExit(f"--ds-set {item!r}: {name} is {node!r} in {args.deepspeed_config}, not a section")
         node[leaf] = json.loads(value)
     for key, value in (("train_micro_batch_size_per_gpu", args.micro_batch_size),
                        ("gradient_accumulation_steps", args.grad_accum)):

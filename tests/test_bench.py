@@ -68,3 +68,9 @@ def test_ds_set_writes_a_dotted_key_of_the_deepspeed_config():
     zero = cfg["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.55}
     assert zero["sub_group_size"] == 100000000 and zero["stage"] == 3 and cfg["steps_per_print"] == 1
+    for bad in ("steps_per_print", "steps_per_print=", "zero_optimization.offload_optimizer.device=cpu"):
+        with pytest.raises(SystemExit):
+            parse_args(["--deepspeed_config", "ds_configs/zero3_offload_ratio.json", "--ds-set", bad])
+    with pytest.raises(SystemExit, match="not a section"):
+        ds_config_for(parse_args(["--deepspeed_config", "ds_configs/zero3_offload_ratio.json",
+                                  "--ds-set", "bf16.enabled.x=1"]))
