@@ -8,11 +8,12 @@
 #     shows as such.
 # Everything lands in $OUT/issue27.tar (appended after each run: a call cut short keeps what it measured).
 # ONLY="s9:lins ref2:zero1 ..." runs just those (a second call for what the first did not reach; no compute table).
+# GRID=2 or GRID=3: a further 7 shapes each (about 550 s a call), the reference shape first (no compute table).
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 keep() { tar -rf "$OUT/issue27.tar" -C "$OUT" "$@" && (cd "$OUT" && rm -f "$@"); }
-if [ -z "${ONLY:-}" ]; then
+if [ -z "${ONLY:-}" ] && [ "${GRID:-1}" = 1 ]; then
   timeout 240 python -m lins_ds.profiler.compute --out "$OUT/compute_h200.json" 2>&1 | tail -1 | tee -a "$OUT/log.txt"
   keep compute_h200.json
 fi
@@ -27,18 +28,41 @@ run() {  # run <name> <mode> <model> <seq> <mb> [--checkpointing]
   echo "$name $mode rc $? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('step %.4f s peak %.2f GiB' % (r['median_step_s'], r['peak_memory_gb']))" "$OUT/${name}_$mode.json" 2>/dev/null)" | tee -a "$OUT/log.txt"
   keep $(cd "$OUT" && ls "${name}_$mode".* 2>/dev/null)
 }
-SHAPES=(
-  "ref shape-h1024-l16 2048 4"
-  "s2 shape-h2048-l12 4096 2"
-  "s3 shape-h3072-l8 1024 4"
-  "s4 shape-h4096-l6 2048 2 --checkpointing"
-  "s5 shape-h5120-l8 4096 1"
-  "s6 shape-h2560-l8 8192 1 --checkpointing"
-  "s7 shape-h1536-l12 4096 2 --checkpointing"
-  "s8 shape-h4096-l4 8192 1"
-  "s9 shape-h5120-l8 2048 2 --checkpointing"
-  "ref2 shape-h1024-l16 2048 4"
-)
+case "${GRID:-1}" in
+  1) SHAPES=(
+    "ref shape-h1024-l16 2048 4"
+    "s2 shape-h2048-l12 4096 2"
+    "s3 shape-h3072-l8 1024 4"
+    "s4 shape-h4096-l6 2048 2 --checkpointing"
+    "s5 shape-h5120-l8 4096 1"
+    "s6 shape-h2560-l8 8192 1 --checkpointing"
+    "s7 shape-h1536-l12 4096 2 --checkpointing"
+    "s8 shape-h4096-l4 8192 1"
+    "s9 shape-h5120-l8 2048 2 --checkpointing"
+    "ref2 shape-h1024-l16 2048 4"
+  ) ;;
+  2) SHAPES=(  # shapes the first grid's fit never saw, two of them with grouped KV heads; the reference first
+    "ref3 shape-h1024-l16 2048 4"
+    "n1 shape-h1024-l24 4096 2"
+    "n2 shape-h1536-l16 1024 4"
+    "n3 shape-h2048-l8 8192 1 --checkpointing"
+    "n4 shape-h2560-l12-kv4 2048 2"
+    "n5 shape-h3072-l12 4096 1 --checkpointing"
+    "n6 shape-h3584-l8 2048 4 --checkpointing"
+    "n7 shape-h5120-l6-kv8 1024 4"
+  ) ;;
+  3) SHAPES=(
+    "ref4 shape-h1024-l16 2048 4"
+    "n8 shape-h1024-l8 8192 2"
+    "n9 shape-h2048-l16-kv4 2048 4 --checkpointing"
+    "n10 shape-h3072-l6 8192 1"
+    "n11 shape-h4096-l10 1024 2"
+    "n12 shape-h2560-l16 4096 1"
+    "n13 shape-h1536-l24 2048 2 --checkpointing"
+    "n14 shape-h4096-l8-kv8 4096 2 --checkpointing"
+  ) ;;
+  *) echo "GRID=${GRID}: 1, 2 or 3" >&2; exit 2 ;;
+esac
 for s in "${SHAPES[@]}"; do
   read -r name model seq mb ck <<< "$s"
   for mode in zero1 lins; do
