@@ -9,6 +9,7 @@
 # Everything lands in $OUT/issue27.tar (appended after each run: a call cut short keeps what it measured).
 # ONLY="s9:lins ref2:zero1 ..." runs just those (a second call for what the first did not reach; no compute table).
 # GRID=2 or GRID=3: a further 7 shapes each (about 550 s a call), the reference shape first (no compute table).
+# GRID=4 MODES=zero1 STEPS=16 WARMUP=4: ZeRO-1 again on the shapes it was held worst on, timed over 12 steps.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -23,7 +24,7 @@ run() {  # run <name> <mode> <model> <seq> <mb> [--checkpointing]
   [ "$mode" = lins ] && [ "${1:-}" != --checkpointing ] && extra+=(--lins-checkpointing false)
   timeout 120 torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 500)) -m bench.train \
     --deepspeed_config "ds_configs/$mode.json" --model "bench/models/$model.json" --seq-len "$seq" \
-    --micro-batch-size "$mb" --grad-accum 1 --steps 6 --warmup-steps 2 "$@" "${extra[@]}" \
+    --micro-batch-size "$mb" --grad-accum 1 --steps "${STEPS:-6}" --warmup-steps "${WARMUP:-2}" "$@" "${extra[@]}" \
     --out "$OUT/${name}_$mode.json" > "$OUT/${name}_$mode.log" 2>&1
   echo "$name $mode rc $? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('step %.4f s peak %.2f GiB' % (r['median_step_s'], r['peak_memory_gb']))" "$OUT/${name}_$mode.json" 2>/dev/null)" | tee -a "$OUT/log.txt"
   keep $(cd "$OUT" && ls "${name}_$mode".* 2>/dev/null)
@@ -61,11 +62,27 @@ case "${GRID:-1}" in
     "n13 shape-h1536-l24 2048 2 --checkpointing"
     "n14 shape-h4096-l8-kv8 4096 2 --checkpointing"
   ) ;;
-  *) echo "GRID=${GRID}: 1, 2 or 3" >&2; exit 2 ;;
+  4) SHAPES=(  # the grid's worst-held DeepSpeed ZeRO-1 shapes again (MODES=zero1 STEPS=16): noise or model?
+    "ref5 shape-h1024-l16 2048 4"
+    "n12b shape-h2560-l16 4096 1"
+    "n11b shape-h4096-l10 1024 2"
+    "n4b shape-h2560-l12-kv4 2048 2"
+    "s3b shape-h3072-l8 1024 4"
+    "s2b shape-h2048-l12 4096 2"
+    "n9b shape-h2048-l16-kv4 2048 4 --checkpointing"
+    "n13b shape-h1536-l24 2048 2 --checkpointing"
+    "n1b shape-h1024-l24 4096 2"
+    "n5b shape-h3072-l12 4096 1 --checkpointing"
+    "s8b shape-h4096-l4 8192 1"
+    "n2b shape-h1536-l16 1024 4"
+    "n8b shape-h1024-l8 8192 2"
+    "ref6 shape-h1024-l16 2048 4"
+  ) ;;
+  *) echo "GRID=${GRID}: 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
 for s in "${SHAPES[@]}"; do
   read -r name model seq mb ck <<< "$s"
-  for mode in zero1 lins; do
+  for mode in ${MODES:-zero1 lins}; do
     [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name:$mode "* ]] && continue
     run "$name" "$mode" "$model" "$seq" "$mb" $ck
   done

@@ -263,6 +263,7 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
         "config": os.path.basename(str(args.deepspeed_config)), "model": args.model,
         "world_size": dist.get_world_size(), "gpus_per_node": args.gpus_per_node, "seq_len": args.seq_len,
         "samples_per_gpu_per_step": samples, "steps": args.steps, "median_step_s": step_s,
+        "hf_checkpointing": bool(args.checkpointing),  # --checkpointing: every layer recomputed (any mode)
         "tokens_per_gpu_s": tokens_per_gpu_s, **startup,
         "mfu": tokens_per_gpu_s * flops / (H200_BF16_TFLOPS * 1e12) if cuda else None,
         # training only (the statistics are reset after start-up); the worst rank's
