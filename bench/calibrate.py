@@ -48,6 +48,9 @@ from .simulate import FETCH_SYSTEMS, SYSTEMS, Overheads, StepTerms, system_terms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_OF = {"nocomm": "zero0", "lins_as_zero3": "lins", "lins-budget": "lins"}  # bench modes -> systems
+# the first round's host cost of a layer pass (launches and hooks), which picks the passes that wait for the host;
+# each next round picks them with the last one's fit. Started from nothing, no pass would wait and none be fitted.
+HOST_PER_LAYER_PASS_S = 2e-3
 
 
 @dataclass(frozen=True)
@@ -116,22 +119,30 @@ def load_tune_runs(path: str) -> list:
     return runs
 
 
-def load_train_runs(directory: str) -> list:
+def load_train_runs(directories: list) -> list:
     """One-GPU runs of ``bench/train.py`` (``<name>_<system>.json``: the shape grid, bench/gpu_issue27.sh): each
-    model is its ``--model`` config.json, the checkpointing its Lins run's (ZeRO-1 ran with the same flag)."""
+    model is its ``--model`` config.json, its checkpointed layers as ``shapes.load`` reads them."""
     from .shapes import load
 
     runs = []
     try:
-        for r in load([directory]):
+        for r in load(directories):
             spec = load_model(r["model"] if os.path.isabs(r["model"]) else os.path.join(ROOT, r["model"]))
             spec = replace(spec, name=os.path.basename(r["model"])[:-5])
             runs.append(Run(SYSTEM_OF.get(r["system"], r["system"]), r["system"], spec.name, "host", 1, 1, r["seq"],
                             r["mb"], 1, r["step_s"], None, None, None,
                             Layout.from_json(r["plan"]) if r.get("plan") else None, None, r["ckpt"], spec))
     except (OSError, ValueError, KeyError, TypeError, PlanError) as e:
-        raise PlanError(f"{directory}: not a folder of bench/train.py results ({e})") from None
+        raise PlanError(f"{', '.join(directories)}: not folders of bench/train.py results ({e})") from None
     return runs
+
+
+def load_all(paths: list) -> list:
+    """The runs of every path (``load_runs``); the folders of ``bench/train.py`` results read together, so that a
+    shape's runs split over two calls still pair up."""
+    folders = [p for p in paths if os.path.isdir(p)]
+    return [r for p in paths if not os.path.isdir(p) for r in load_runs(p)] + \
+        (load_train_runs(folders) if folders else [])
 
 
 def load_runs(path: str) -> list:
@@ -140,7 +151,7 @@ def load_runs(path: str) -> list:
     if path.endswith(".jsonl"):
         return load_tune_runs(path)
     if os.path.isdir(path):
-        return load_train_runs(path)
+        return load_train_runs([path])
     try:
         with open(path, encoding="utf-8") as f:
             bench = json.load(f)
@@ -191,14 +202,18 @@ def compute_key(run: Run, compute: ComputeSpec) -> str:
     return "shape" if compute.table is not None else run.model
 
 
-def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool], key: str) -> dict:
+def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool], key: str,
+             per_layer_s: float = HOST_PER_LAYER_PASS_S) -> dict:
     """The run's regressors: what each fitted coefficient multiplies. ``bound``: whether the run's fetches,
     not its link, set the pace (None: not yet known, both count). With the shape model (``key`` "shape") each
-    system also has its host cost per layer pass."""
-    cols = {f"compute:{key}": terms.compute_s * efficiency,  # compute at peak / as measured: coefficient 1/eff.
+    system also has a host cost per step, and one per layer pass, which only the passes that wait for the host
+    at ``per_layer_s`` (the previous round's) pay, in their kernels' place."""
+    passes, kernels = terms.host_passes(per_layer_s) if key == "shape" else (0, 0.0)
+    cols = {f"compute:{key}": (terms.compute_s - kernels) * efficiency,  # at peak / as measured: coefficient 1/eff.
             "update": terms.update_s}
     if key == "shape":
-        cols[f"layer:{run.system}"] = terms.layer_passes * terms.host_scale
+        cols[f"layer:{run.system}"] = passes * terms.host_scale
+        cols[f"step:{run.system}"] = terms.host_scale
     if not terms.fetches or bound is not True:
         cols[f"comm:{run.system}"] = terms.exposed_s
     if terms.fetches and bound is not False:
@@ -251,12 +266,13 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
     keys = [compute_key(r, compute) for r in runs]
     eff = {k: 1.0 if k == "shape" else compute.achievable_mfu for k in keys}
     host = Overheads({}, host_s_per_module=host_s or reference_host(runs))
-    bound = [None] * len(runs)
+    bound, layer_s, seen = [None] * len(runs), {}, []
     table = compute.table.to_json() if compute.table is not None else None
     for _ in range(rounds):
         terms = [terms_of(r, tables, compute.at(eff[k]), host.host_scale(host_of(r, tables)))[0]
                  for r, k in zip(runs, keys)]
-        cols = [_columns(r, t, eff[k], b, k) for r, t, b, k in zip(runs, terms, bound, keys)]
+        cols = [_columns(r, t, eff[k], b and b[0], k, layer_s.get(r.system, HOST_PER_LAYER_PASS_S))
+                for r, t, b, k in zip(runs, terms, bound, keys)]
         names = sorted({n for c in cols for n, v in c.items() if v > 0})
         a = np.array([[c.get(n, 0.0) / r.step_s for n in names] for r, c in zip(runs, cols)])
         coef = dict(zip(names, nnls(a, np.ones(len(runs)))))
@@ -265,10 +281,19 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
             raise PlanError(f"{missing}: the runs do not determine this model's compute efficiency")
         new = {m: 1.0 / coef[f"compute:{m}"] for m in eff}
         ov = _overheads(coef, new, source, cluster, host.host_s_per_module, table)
-        new_bound = [t.fetch_bound(ov.terms(r.system)) if t.fetches else None for r, t in zip(runs, terms)]
+        new_bound = [(t.fetch_bound(ov.terms(r.system)) if t.fetches else None,
+                      t.host_passes(ov.terms(r.system)["per_layer_s"])[0] if k == "shape" else None)
+                     for r, t, k in zip(runs, terms, keys)]
         settled = max(abs(new[m] - eff[m]) for m in eff) < 1e-4 and new_bound == bound
+        cycle = new_bound != bound and new_bound in seen  # back to an earlier round's sides: a cycle
         eff, bound = new, new_bound
+        seen.append(new_bound)
+        layer_s = {s: ov.terms(s)["per_layer_s"] for s in ov.systems}
         if settled:
+            break
+        if cycle:
+            warnings.warn("python -m bench simulate --fit: some runs go round a cycle between link- and fetch-bound, or "
+                          "their layers between host- and GPU-bound; the terms of the round that closed it are used")
             break
     else:
         warnings.warn(f"python -m bench simulate --fit: the terms did not settle in {rounds} rounds (a run keeps changing "
@@ -285,7 +310,7 @@ def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: 
         terms = {"comm_factor": coef.get(f"comm:{s}"), "update_factor": coef.get("update"),
                  "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None,
                  "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None,
-                 "per_layer_s": coef.get(f"layer:{s}")}
+                 "per_layer_s": coef.get(f"layer:{s}"), "per_step_s": coef.get(f"step:{s}")}
         out[s] = {t: float(v) for t, v in terms.items() if v is not None}
     return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster, host_s, compute_table)
 
@@ -410,7 +435,7 @@ def terms_text(overheads: Overheads) -> str:
            "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (bench/host.py; scaled by each "
                                              "run's own)" if host else "unmeasured speed (no run measured its host)"),
            f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"
-           + (f"{'per_layer_ms':>13}" if shape else "")]
+           + (f"{'per_layer_ms':>13}{'per_step_ms':>12}" if shape else "")]
     defaulted = False
     for s, fitted in overheads.systems.items():
         t = overheads.terms(s)
@@ -420,7 +445,8 @@ def terms_text(overheads: Overheads) -> str:
         out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['update_factor']:>13.3f}"
                    f"{mark['update_factor']}{1e3 * t['per_fetch_s']:>12.3f}{mark['per_fetch_s']}"
                    + (f"{1e-9 / t['per_fetch_byte_s']:>10.0f}" if t["per_fetch_byte_s"] else f"{'-':>10}")
-                   + mark["per_fetch_byte_s"] + (f"{1e3 * t['per_layer_s']:>12.3f}" if shape else ""))
+                   + mark["per_fetch_byte_s"]
+                   + (f"{1e3 * t['per_layer_s']:>12.3f} {1e3 * t['per_step_s']:>11.2f}" if shape else ""))
     if defaulted:
         out.append("* not determined by these runs (the system has none, or all on the other branch): the default")
     return "\n".join(out)

@@ -2,15 +2,19 @@
 shapes it was not fitted on (issue 27).
 
 Each run (a ``bench/train.py`` JSON: ZeRO-1 or Lins on one GPU, gas 1) is priced from its shape with the device's
-measured compute table: GEMMs, attention, memory-bound work, recompute. Per system, the step is then fitted as
+measured compute table: GEMMs, attention, memory-bound work, recompute. Per system, the step is then fitted as the
+simulator prices it (``simulate.StepTerms.step``, one GPU: no link)::
 
-    step = a x compute(shape)  +  b x update(parameters at the measured bandwidth)  +  c  +  d x layer passes
+    step = sum over layer passes of max(a x its kernels, d)  +  a x the rest of the compute
+         + b x update(parameters at the measured bandwidth)  +  c
 
-by non-negative least squares in relative error — a is how far the kernels of a whole step fall short of the
-isolated ones the table timed, b the optimizer's (and, for DeepSpeed, its gradient copies') cost per byte, c a fixed
-cost per step, d the host's cost of launching one layer's kernels and running its hooks (per layer, micro-batch
-and pass: forward, backward, recompute) — on half the shapes, and each shape of the other half is predicted
-(leave-shapes-out), both ways.
+in relative error — a is how far the kernels of a whole step fall short of the isolated ones the table timed, d the
+host's cost of launching one layer pass's kernels and running its hooks (forward, backward, recompute: a small
+layer waits for the host), b the optimizer's (and, for DeepSpeed, its gradient copies') cost per byte, c a fixed
+cost per step; a and d by a grid search, b and c by non-negative least squares at each point — on half the shapes,
+and each shape of the other half is predicted (leave-shapes-out), both ways. Beside it, the additive form
+``a x compute + b x update + c + d x layers`` (NNLS), which holds the small shapes as well and the large ones worse:
+its d takes part of the compute's place.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(dirs: list) -> list:
-    """[run dict]: every ``<name>_<system>.json`` of ``dirs``; repeats of a shape (``ref``, ``ref2``) kept apart."""
+    """[run dict]: every ``<name>_<system>.json`` of ``dirs``; repeats of a shape (``ref``, ``ref2``) kept apart. A
+    DeepSpeed run's checkpointed layers: every layer where it ran with ``--checkpointing`` (``hf_checkpointing``);
+    in results older than that field, those of the Lins run of the same shape in any of ``dirs``."""
     runs = []
     for d in dirs:
         for path in sorted(glob.glob(os.path.join(d, "*_*.json"))):
@@ -40,9 +46,13 @@ def load(dirs: list) -> list:
             if "median_step_s" not in r:
                 continue
             name, system = os.path.basename(path)[:-5].rsplit("_", 1)
+            plan = r.get("plan")
+            ckpt = plan.get("activation_checkpointing_units") if plan else None
+            if ckpt is None and "hf_checkpointing" in r:
+                ckpt = _layers(r["model"]) if r["hf_checkpointing"] else 0
             runs.append({"name": name, "system": system, "model": r["model"], "seq": r["seq_len"],
                          "mb": r["samples_per_gpu_per_step"], "step_s": r["median_step_s"], "dir": d,
-                         "ckpt": (r.get("plan") or {}).get("activation_checkpointing_units"), "plan": r.get("plan")})
+                         "ckpt": ckpt, "plan": plan})
     ckpt = {(r["model"], r["seq"], r["mb"]): r["ckpt"] for r in runs if r["ckpt"] is not None}
     for r in runs:  # the ZeRO-1 run of a shape checkpoints as its Lins run does (bench/train.py --checkpointing)
         r["ckpt"] = ckpt.get((r["model"], r["seq"], r["mb"]), 0) if r["ckpt"] is None else r["ckpt"]
@@ -51,47 +61,90 @@ def load(dirs: list) -> list:
     return runs
 
 
-def terms(run: dict, table: ComputeTable) -> tuple:
-    """(compute s, update s, layer passes) of a run."""
-    path = run["model"] if os.path.isabs(run["model"]) else os.path.join(ROOT, run["model"])
-    model = load_model(path)
+def _path(model: str) -> str:
+    return model if os.path.isabs(model) else os.path.join(ROOT, model)
+
+
+def _layers(model: str) -> int:
+    return load_model(_path(model)).num_layers
+
+
+def terms(run: dict, table: ComputeTable) -> dict:
+    """A run's terms at the table's rates: compute, update, layers, and one layer's forward and backward kernels."""
+    model = load_model(_path(run["model"]))
     train = TrainingSpec(run["seq"], run["mb"], 1, "bf16", "bf16")
     comp = step_compute(model, train, table, run["ckpt"])
     update = optimizer_seconds(model, train, 1, ComputeSpec(memory_bandwidth_gbs=table.bandwidth_gbs))
-    return comp.total_s, update, model.num_layers * 2 + min(run["ckpt"], model.num_layers)
+    return {"compute_s": comp.total_s, "update_s": update, "layers": model.num_layers,
+            "recomputes": min(run["ckpt"], model.num_layers), "fwd_s": comp.layer_forward_s,
+            "bwd_s": comp.layer_backward_s}
 
 
-def fit(rows: list) -> np.ndarray:
-    """(a, b, c) minimising the relative error of a x compute + b x update + c over ``rows``."""
-    a = np.array([[r["compute_s"], r["update_s"], 1.0, r["passes"]] for r in rows]) / np.array([[r["step_s"]] for r in rows])
+def additive(rows: list) -> np.ndarray:
+    """(a, b, c, d) minimising the relative error of a x compute + b x update + c + d x layers over ``rows``."""
+    a = np.array([[r["compute_s"], r["update_s"], 1.0, r["layers"]] for r in rows]) / np.array([[r["step_s"]] for r in rows])
     return nnls(a, np.ones(len(rows)))
 
 
-def predict(coef: np.ndarray, r: dict) -> float:
-    return float(coef[0] * r["compute_s"] + coef[1] * r["update_s"] + coef[2] + coef[3] * r["passes"])
+def additive_predict(coef: np.ndarray, r: dict) -> float:
+    return float(coef[0] * r["compute_s"] + coef[1] * r["update_s"] + coef[2] + coef[3] * r["layers"])
+
+
+GRID_A = np.linspace(0.8, 1.6, 33)
+GRID_D = np.linspace(0.0, 0.012, 49)
+
+
+def _base(r: dict, a: float, d: float) -> float:
+    """The compute with every layer pass the longer of its kernels (a x the table's) and the host's d."""
+    fwd, bwd = max(a * r["fwd_s"], d), max(a * r["bwd_s"], d)
+    layers = r["layers"] * (r["fwd_s"] + r["bwd_s"]) + r["recomputes"] * r["fwd_s"]
+    return r["layers"] * (fwd + bwd) + r["recomputes"] * fwd + a * (r["compute_s"] - layers)
+
+
+def fit(rows: list) -> tuple:
+    """(a, b, c, d) of the simulator's form, minimising the relative error over ``rows``."""
+    y = np.array([r["step_s"] for r in rows])
+    x = np.array([[r["update_s"], 1.0] for r in rows]) / y[:, None]
+    best = None
+    for a in GRID_A:
+        for d in GRID_D:
+            base = np.array([_base(r, a, d) for r in rows])
+            bc = nnls(x, 1.0 - base / y)
+            err = float(np.sum((base / y + x @ bc - 1.0) ** 2))
+            if best is None or err < best[0]:
+                best = (err, (float(a), float(bc[0]), float(bc[1]), float(d)))
+    return best[1]
+
+
+def predict(coef: tuple, r: dict) -> float:
+    a, b, c, d = coef
+    return _base(r, a, d) + b * r["update_s"] + c
 
 
 def analyse(runs: list, table: ComputeTable) -> dict:
     for r in runs:
-        r["compute_s"], r["update_s"], r["passes"] = terms(r, table)
+        r.update(terms(r, table))
     out = {"systems": {}}
     for system in sorted({r["system"] for r in runs}):
         rows = [r for r in runs if r["system"] == system]
         shapes = sorted({r["shape"] for r in rows})
         halves = (shapes[0::2], shapes[1::2])
-        loo = {}
+        loo, add_loo = {}, {}
         for fit_on, held in (halves, halves[::-1]):
-            coef = fit([r for r in rows if r["shape"] in fit_on])
+            part = [r for r in rows if r["shape"] in fit_on]
+            coef, add_coef = fit(part), additive(part)
             for r in rows:
                 if r["shape"] in held:
-                    loo[id(r)] = predict(coef, r)
-        whole = fit(rows)
+                    loo[id(r)], add_loo[id(r)] = predict(coef, r), additive_predict(add_coef, r)
+        whole, add_whole = fit(rows), additive(rows)
         out["systems"][system] = {
-            "coef": {"compute": whole[0], "update": whole[1], "per_step_s": whole[2], "per_layer_pass_s": whole[3]},
+            "coef": dict(zip(("compute", "update", "per_step_s", "per_layer_pass_s"), whole)),
             "halves": [list(h) for h in halves],
-            "runs": [{"shape": r["shape"], "name": r["name"], "measured_s": r["step_s"], "compute_s": r["compute_s"],
-                      "update_s": r["update_s"], "raw_s": r["compute_s"] + r["update_s"],
-                      "fitted_s": predict(whole, r), "held_out_s": loo[id(r)]} for r in rows]}
+            "additive": dict(zip(("compute", "update", "per_step_s", "per_layer_s"), add_whole)),
+            "runs": [{"shape": r["shape"], "name": r["name"], "dir": os.path.basename(r["dir"]),
+                      "measured_s": r["step_s"], "compute_s": r["compute_s"], "update_s": r["update_s"],
+                      "raw_s": r["compute_s"] + r["update_s"], "fitted_s": predict(whole, r),
+                      "held_out_s": loo[id(r)], "additive_held_out_s": add_loo[id(r)]} for r in rows]}
     return out
 
 
@@ -99,21 +152,34 @@ def text(result: dict) -> str:
     lines = []
     for system, s in result["systems"].items():
         c = s["coef"]
-        lines.append(f"{system}: step = {c['compute']:.3f} x compute + {c['update']:.3f} x update + "
-                     f"{1e3 * c['per_step_s']:.1f} ms + {1e3 * c['per_layer_pass_s']:.2f} ms x layer passes "
-                     f"(fitted on every shape); halves: {s['halves']}")
-        lines.append("| shape | run | measured s | shape model alone s | error | fitted (all) s | error | "
-                     "held out (fitted on the other half) s | error |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append(f"{system}: every layer pass the longer of {c['compute']:.3f} x its kernels and "
+                     f"{1e3 * c['per_layer_pass_s']:.2f} ms of host, the rest of the compute x {c['compute']:.3f}, "
+                     f"{c['update']:.3f} x update, {1e3 * c['per_step_s']:.1f} ms a step (fitted on every shape); "
+                     f"halves: {s['halves']}")
+        lines.append("| shape | call | run | measured s | shape model alone s | error | fitted (all) s | error | "
+                     "held out (fitted on the other half) s | error | additive form, held out |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in s["runs"]:
             def err(x):
                 return f"{100 * (x / r['measured_s'] - 1):+.1f} %"
-            lines.append(f"| {r['shape']} | {r['name']} | {r['measured_s']:.4f} | {r['raw_s']:.4f} | {err(r['raw_s'])} | "
-                         f"{r['fitted_s']:.4f} | {err(r['fitted_s'])} | {r['held_out_s']:.4f} | "
-                         f"**{err(r['held_out_s'])}** |")
-        held = [abs(r["held_out_s"] / r["measured_s"] - 1) for r in s["runs"]]
-        lines.append(f"\nheld out: {sum(e <= 0.10 for e in held)} of {len(held)} runs within 10 %, largest "
-                     f"{100 * max(held):.1f} %, median {100 * statistics.median(held):.1f} %\n")
+            lines.append(f"| {r['shape']} | {r['dir']} | {r['name']} | {r['measured_s']:.4f} | {r['raw_s']:.4f} | "
+                         f"{err(r['raw_s'])} | {r['fitted_s']:.4f} | {err(r['fitted_s'])} | {r['held_out_s']:.4f} | "
+                         f"**{err(r['held_out_s'])}** | {err(r['additive_held_out_s'])} |")
+        for key, label in (("held_out_s", "held out"), ("additive_held_out_s", "additive form, held out")):
+            held = [abs(r[key] / r["measured_s"] - 1) for r in s["runs"]]
+            lines.append(f"\n{label}: {sum(e <= 0.10 for e in held)} of {len(held)} runs within 10 %, largest "
+                         f"{100 * max(held):.1f} %, median {100 * statistics.median(held):.1f} %")
+        repeats = {}
+        for r in s["runs"]:
+            repeats.setdefault(r["shape"], []).append(r["measured_s"])
+        for shape, steps in repeats.items():
+            if len(steps) > 1:
+                lines.append(f"measured {len(steps)} times (machines and calls apart): {shape}, "
+                             f"{min(steps):.4f}-{max(steps):.4f} s, the slowest {100 * (max(steps) / min(steps) - 1):.0f} % "
+                             f"over the fastest")
+        m = s["additive"]
+        lines.append(f"additive form (fitted on every shape): {m['compute']:.3f} x compute + {m['update']:.3f} x "
+                     f"update + {1e3 * m['per_step_s']:.1f} ms + {1e3 * m['per_layer_s']:.2f} ms x layers\n")
     return "\n".join(lines)
 
 

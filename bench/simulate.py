@@ -171,7 +171,7 @@ class Overheads:
 
 
 DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0, "per_fetch_byte_s": 0.0,
-                 "per_layer_s": 0.0}
+                 "per_layer_s": 0.0, "per_step_s": 0.0}
 NO_OVERHEADS = Overheads({}, {}, "none")
 
 
@@ -193,7 +193,18 @@ class StepTerms:
     fetches: int
     fetch_bytes: float = 0.0  # the parameter bytes the module fetches assemble (each module whole, fwd and bwd)
     host_scale: float = 1.0  # this host's time per module over the calibration host's (Overheads.host_scale)
-    layer_passes: int = 0  # layer forwards, backwards and recomputes per step: each launches kernels and runs hooks
+    layers: int = 0  # layers x micro-batches: each a forward and a backward pass
+    recomputes: int = 0  # checkpointed layers x micro-batches: each one more forward pass
+    layer_fwd_s: float = 0.0  # the kernels of one layer's forward pass (compute_s's rate; 0 without the shape model)
+    layer_bwd_s: float = 0.0  # and of its backward pass
+
+    def host_passes(self, per_layer_s: float) -> tuple:
+        """(passes, their kernels' seconds): the layer passes whose host work (launches, hooks: ``per_layer_s``
+        at this host's speed) outlasts their kernels, so that the GPU waits for the host (see ``step``)."""
+        host = per_layer_s * self.host_scale
+        fwd, bwd = host > self.layer_fwd_s, host > self.layer_bwd_s
+        return (fwd * (self.layers + self.recomputes) + bwd * self.layers,
+                fwd * (self.layers + self.recomputes) * self.layer_fwd_s + bwd * self.layers * self.layer_bwd_s)
 
     def waits(self, ov: dict) -> tuple:
         """(link, fetch): the exposed communication, and the fetches' own cost under ``ov``: their hooks and
@@ -207,11 +218,14 @@ class StepTerms:
         return fetch > link
 
     def step(self, ov: dict) -> float:
-        """Compute + update + the slower of the link and the fetches: a DeepSpeed fetch waits for its gather, and
-        its hooks run while the prefetched gathers are in flight, so on a fast link (NVLink) the fetches' CPU
-        cost is what is left exposed and on a slow one (sockets, a network) the transfers."""
+        """Compute + update + the slower of the link and the fetches + what the host adds: a DeepSpeed fetch
+        waits for its gather, and its hooks run while the prefetched gathers are in flight, so on a fast link
+        (NVLink) the fetches' CPU cost is what is left exposed and on a slow one (sockets, a network) the
+        transfers. A layer pass takes the longer of its kernels and the host's work to launch them and run its
+        hooks (small layers wait for the host: ``host_passes``); each step has a fixed host cost too."""
+        passes, kernels = self.host_passes(ov["per_layer_s"])
         return (self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
-                + ov["per_layer_s"] * self.layer_passes * self.host_scale)
+                + (ov["per_layer_s"] * passes + ov["per_step_s"]) * self.host_scale - kernels)
 
 
 def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,
@@ -219,6 +233,7 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
     """Lins overlaps as its executor does (``cost.exposed_seconds``; the P-sync only with
     ``overlap_param_sync``, off in the paper's comparison); DeepSpeed's collectives are taken as exposed."""
     fwd, bwd = compute_seconds(model, train, compute, ckpt_units)
+    layer_fwd, layer_bwd = layer_seconds(model, train, compute)
     total = sum(c.total_s for c in colls)
     exposed = (cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, overlap_param_sync)
                if system == "lins" else total)
@@ -229,7 +244,20 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
     gathers = any(c.state == "p" and c.op == "all_gather" and c.mesh.size > 1 for c in colls)
     return StepTerms(train.grad_accum * (fwd + bwd), optimizer_seconds(model, train, s_os, compute), exposed, total,
                      n, 2.0 * train.grad_accum * model.total_params() * train.param_bytes if n and gathers else 0.0,
-                     layer_passes=train.grad_accum * (2 * model.num_layers + min(ckpt_units, model.num_layers)))
+                     layers=train.grad_accum * model.num_layers,
+                     recomputes=train.grad_accum * min(ckpt_units, model.num_layers), layer_fwd_s=layer_fwd,
+                     layer_bwd_s=layer_bwd)
+
+
+def layer_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec) -> tuple:
+    """(forward, backward) kernels of one layer and micro-batch at ``compute``'s factor, from the model's shape;
+    (0, 0) without the shape model (which is also the only one with a host cost per layer pass)."""
+    if compute.table is None:
+        return 0.0, 0.0
+    from lins_ds.plan.compute_model import step_compute
+
+    one = step_compute(model, replace(train, grad_accum=1), compute.table)
+    return one.layer_forward_s / compute.achievable_mfu, one.layer_backward_s / compute.achievable_mfu
 
 
 def _baseline_memory(system: str, model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec) -> tuple:

@@ -187,7 +187,7 @@ def run_fit(args) -> int:
     tables = {"host": P.ProfileTable.load(args.profile)}
     if args.emulated_profile:
         tables["emulated"] = P.ProfileTable.load(args.emulated_profile)
-    runs = [r for path in (args.fit or args.validate) for r in fitting.load_runs(path)]
+    runs = fitting.load_all(args.fit or args.validate)
     if args.fit:
         cluster = args.cluster or "h200-emulated"
         compute = P.get_cluster(cluster).compute()

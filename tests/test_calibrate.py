@@ -276,6 +276,25 @@ def test_a_file_that_is_no_tune_runs_is_named(tmp_path):
         C.load_runs(str(bad))
 
 
+def test_a_deepspeed_run_is_priced_with_the_layers_it_recomputed(tmp_path):
+    """A ZeRO-1 run of the grid checkpoints with Hugging Face's flag, which its result records
+    (``hf_checkpointing``); an older result takes its Lins run's count, found in any folder read with it (the
+    first grid's h5120 s2048 ZeRO-1 run is in call1, its Lins run in call2)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shapes = os.path.join(root, "bench/results/simulate/shapes")
+    runs = C.load_all([os.path.join(shapes, "call1"), os.path.join(shapes, "call2")])
+    s9 = [r for r in runs if r.model == "shape-h5120-l8" and r.seq_len == 2048]
+    assert {(r.system, r.ckpt_units) for r in s9} == {("zero1", 8), ("lins", 8)}
+    model = os.path.join(root, "bench/models/shape-h1024-l16.json")
+    for flag, units in ((True, 16), (False, 0)):
+        (tmp_path / "x_zero1.json").write_text(json.dumps({
+            "model": model, "seq_len": 1024, "samples_per_gpu_per_step": 1, "median_step_s": 0.1, "plan": None,
+            "hf_checkpointing": flag}))
+        assert [r.ckpt_units for r in C.load_all([str(tmp_path)])] == [units]
+
+
 def test_the_shape_model_fits_one_factor_for_every_model_and_prices_a_model_it_never_saw():
     """--fit --compute-table: compute from each model's shape with the device's measured table, one factor and a
     host cost per layer pass per system, fitted on the one-H200 shape grid; a 2.9B model of another depth, sequence

@@ -5,7 +5,7 @@ import pytest
 from bench.__main__ import main
 from lins_ds.plan import BUILTIN_MODELS, MemorySpec, Topology, candidates, get_cluster, solve
 from lins_ds.plan.cost import required_meshes
-from bench.simulate import baseline_schedule, sim_train, simulate
+from bench.simulate import Overheads, baseline_schedule, sim_train, simulate
 
 PAPER = ["--cluster", "a800-ib", "--gpus-per-node", "8", "--seq-len", "4096", "--micro-batch-size", "1",
          "--global-batch-tokens", "4194304"]
@@ -81,8 +81,6 @@ def test_a_profiles_measured_host_scales_the_fetch_cost_only():
     twice as much there (host time), ZeRO-1 has none and is unchanged."""
     from dataclasses import replace
 
-    from bench.simulate import Overheads
-
     cluster, topo = get_cluster("h200-emulated"), Topology(1, 2)
     model = BUILTIN_MODELS["llama-1b"]
     train, mem = sim_train(model, topo, 2048, 2, 16384), MemorySpec(139)
@@ -136,9 +134,28 @@ def test_a_shape_model_calibration_carries_its_compute_model_and_says_which(caps
     assert main(args + ["--cluster", "a800-ib"]) == 0
     a800 = json.loads(capsys.readouterr().out)
     assert "A800-80GB (derived) table (derived, not measured" in a800["calibration"]
-    assert "factor 1.205" in a800["calibration"]
+    assert f"factor {Overheads.from_json(json.load(open(cal))['meta']['simulator']['overheads']).compute['shape']:.3f}" in a800["calibration"]
     assert main(args + ["--gpu-memory-gb", "139"]) == 0
     h200 = json.loads(capsys.readouterr().out)
     assert "the NVIDIA H200 table (measured on NVIDIA H200" in h200["calibration"]
     # the same model on the faster GPU steps faster
     assert h200["systems"]["zero1"]["step_s"] < a800["systems"]["zero1"]["step_s"]
+
+
+def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
+    """The shape model's host cost per layer pass: a pass whose kernels outlast it costs its kernels only, one whose
+    kernels are shorter costs the host's time (a small layer waits for its launches and hooks), recompute included;
+    on a host twice as slow, twice that."""
+    from dataclasses import replace
+
+    from bench.simulate import DEFAULT_TERMS, StepTerms
+
+    ov = dict(DEFAULT_TERMS, per_layer_s=2e-3, per_step_s=5e-3)
+    big = StepTerms(1.0, 0.0, 0.0, 0.0, 0, layers=4, recomputes=4, layer_fwd_s=0.05, layer_bwd_s=0.1)
+    assert big.step(ov) == pytest.approx(1.0 + 5e-3)
+    small = StepTerms(0.1, 0.0, 0.0, 0.0, 0, layers=4, recomputes=2, layer_fwd_s=1e-3, layer_bwd_s=3e-3)
+    # the forwards (4 + 2 recomputed) wait for the host, the backwards do not
+    assert small.host_passes(2e-3) == (6, pytest.approx(6e-3))
+    assert small.step(ov) == pytest.approx(0.1 - 6e-3 + 6 * 2e-3 + 5e-3)
+    slow = replace(small, host_scale=2.0)
+    assert slow.host_passes(2e-3)[0] == 10 and slow.step(ov) == pytest.approx(0.1 - 18e-3 + 10 * 4e-3 + 10e-3)

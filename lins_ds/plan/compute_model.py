@@ -114,6 +114,8 @@ class StepCompute:
     memory_s: float
     recompute_s: float  # of the above, the checkpointed layers' second forward
     forward_s: float = 0.0  # of the above, the forward of one micro-batch (the executor's overlap needs it)
+    layer_forward_s: float = 0.0  # one decoder layer's forward of one micro-batch (a recompute is another)
+    layer_backward_s: float = 0.0  # and its backward
 
     @property
     def total_s(self) -> float:
@@ -154,4 +156,5 @@ def step_compute(model: ModelSpec, train: TrainingSpec, table: ComputeTable, ckp
     memory = (L * (1 + BACKWARD_OVER_FORWARD) + k) * mem_fwd + ce
     g = train.grad_accum
     forward = L * layer_fwd + head_fwd + ce / (1 + BACKWARD_OVER_FORWARD)
-    return StepCompute(g * gemm, g * attention, g * memory, g * k * layer_fwd, forward)
+    layer_bwd = bwd + 2 * attn_fwd + BACKWARD_OVER_FORWARD * mem_fwd
+    return StepCompute(g * gemm, g * attention, g * memory, g * k * layer_fwd, forward, layer_fwd, layer_bwd)
