@@ -16,6 +16,10 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
                                              ZeRO-3 family (ZeRO-3, ZeRO++ and MiCS run the same code); 0
                                              fetches for the others
 
+With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor, and each
+system adds ``per_step`` and, for the layer passes whose kernels are shorter than it, ``per_layer`` in their place
+(``simulate.StepTerms.step``); which passes those are is fitted as the branch below, from 2 ms a pass.
+
 The maximum is fitted by its active branch: each ZeRO-3-family run's regressor is the branch that is slower
 under the previous round's terms (the first round sums both), repeated until no run changes branch. Tried
 as a sum, the fit could not hold ZeRO-3 on 2 emulated nodes at both model sizes (+20 % at 1B, -26 % at 7B):
@@ -266,7 +270,7 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
     keys = [compute_key(r, compute) for r in runs]
     eff = {k: 1.0 if k == "shape" else compute.achievable_mfu for k in keys}
     host = Overheads({}, host_s_per_module=host_s or reference_host(runs))
-    bound, layer_s, seen = [None] * len(runs), {}, []
+    bound, layer_s, seen, fits = [None] * len(runs), {}, [], []
     table = compute.table.to_json() if compute.table is not None else None
     for _ in range(rounds):
         terms = [terms_of(r, tables, compute.at(eff[k]), host.host_scale(host_of(r, tables)))[0]
@@ -288,17 +292,31 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
         cycle = new_bound != bound and new_bound in seen  # back to an earlier round's sides: a cycle
         eff, bound = new, new_bound
         seen.append(new_bound)
+        fits.append(ov)
         layer_s = {s: ov.terms(s)["per_layer_s"] for s in ov.systems}
         if settled:
             break
-        if cycle:
-            warnings.warn("python -m bench simulate --fit: some runs go round a cycle between link- and fetch-bound, or "
-                          "their layers between host- and GPU-bound; the terms of the round that closed it are used")
+        if cycle:  # each round's terms were fitted to the sides the one before chose: keep the cycle's best
+            rounds_in_cycle = fits[seen.index(new_bound) + 1:]
+            ov = min(rounds_in_cycle, key=lambda o: _error(o, runs, tables, compute, keys, host))
+            warnings.warn(f"python -m bench simulate --fit: {len(rounds_in_cycle)} rounds go round a cycle (runs "
+                          f"changing between link- and fetch-bound, or layer passes between host- and GPU-bound); "
+                          f"the terms of the one that predicts the runs best are used")
             break
     else:
         warnings.warn(f"python -m bench simulate --fit: the terms did not settle in {rounds} rounds (a run keeps changing "
-                      f"between link- and fetch-bound); the last round's terms are used")
+                      f"between link- and fetch-bound, or a layer pass between host- and GPU-bound); the last round's "
+                      f"terms are used")
     return ov
+
+
+def _error(ov: Overheads, runs: list, tables: dict, compute: ComputeSpec, keys: list, host: Overheads) -> float:
+    """The sum of the squared relative errors of the runs' steps as ``ov`` predicts them (its own sides)."""
+    total = 0.0
+    for r, k in zip(runs, keys):
+        terms = terms_of(r, tables, compute.at(ov.compute[k]), host.host_scale(host_of(r, tables)))[0]
+        total += (terms.step(ov.terms(r.system)) / r.step_s - 1.0) ** 2
+    return total
 
 
 def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: Optional[float],

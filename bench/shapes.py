@@ -12,9 +12,8 @@ in relative error — a is how far the kernels of a whole step fall short of the
 host's cost of launching one layer pass's kernels and running its hooks (forward, backward, recompute: a small
 layer waits for the host), b the optimizer's (and, for DeepSpeed, its gradient copies') cost per byte, c a fixed
 cost per step; a and d by a grid search, b and c by non-negative least squares at each point — on half the shapes,
-and each shape of the other half is predicted (leave-shapes-out), both ways. Beside it, the additive form
-``a x compute + b x update + c + d x layers`` (NNLS), which holds the small shapes as well and the large ones worse:
-its d takes part of the compute's place.
+and each shape of the other half is predicted (leave-shapes-out), both ways. Beside it, the additive form before it,
+``a x compute + b x update + c + d x layer passes`` (NNLS): every pass pays the host's d on top of its kernels.
 """
 
 from __future__ import annotations
@@ -80,14 +79,19 @@ def terms(run: dict, table: ComputeTable) -> dict:
             "bwd_s": comp.layer_backward_s}
 
 
+def _passes(r: dict) -> int:
+    return 2 * r["layers"] + r["recomputes"]
+
+
 def additive(rows: list) -> np.ndarray:
-    """(a, b, c, d) minimising the relative error of a x compute + b x update + c + d x layers over ``rows``."""
-    a = np.array([[r["compute_s"], r["update_s"], 1.0, r["layers"]] for r in rows]) / np.array([[r["step_s"]] for r in rows])
+    """(a, b, c, d) minimising the relative error of a x compute + b x update + c + d x layer passes over ``rows``
+    (the form before this one: every pass pays the host's d on top of its kernels)."""
+    a = np.array([[r["compute_s"], r["update_s"], 1.0, _passes(r)] for r in rows]) / np.array([[r["step_s"]] for r in rows])
     return nnls(a, np.ones(len(rows)))
 
 
 def additive_predict(coef: np.ndarray, r: dict) -> float:
-    return float(coef[0] * r["compute_s"] + coef[1] * r["update_s"] + coef[2] + coef[3] * r["layers"])
+    return float(coef[0] * r["compute_s"] + coef[1] * r["update_s"] + coef[2] + coef[3] * _passes(r))
 
 
 GRID_A = np.linspace(0.8, 1.6, 33)
@@ -140,7 +144,7 @@ def analyse(runs: list, table: ComputeTable) -> dict:
         out["systems"][system] = {
             "coef": dict(zip(("compute", "update", "per_step_s", "per_layer_pass_s"), whole)),
             "halves": [list(h) for h in halves],
-            "additive": dict(zip(("compute", "update", "per_step_s", "per_layer_s"), add_whole)),
+            "additive": dict(zip(("compute", "update", "per_step_s", "per_layer_pass_s"), add_whole)),
             "runs": [{"shape": r["shape"], "name": r["name"], "dir": os.path.basename(r["dir"]),
                       "measured_s": r["step_s"], "compute_s": r["compute_s"], "update_s": r["update_s"],
                       "raw_s": r["compute_s"] + r["update_s"], "fitted_s": predict(whole, r),
@@ -179,7 +183,7 @@ def text(result: dict) -> str:
                              f"over the fastest")
         m = s["additive"]
         lines.append(f"additive form (fitted on every shape): {m['compute']:.3f} x compute + {m['update']:.3f} x "
-                     f"update + {1e3 * m['per_step_s']:.1f} ms + {1e3 * m['per_layer_s']:.2f} ms x layers\n")
+                     f"update + {1e3 * m['per_step_s']:.1f} ms + {1e3 * m['per_layer_pass_s']:.2f} ms x layer passes\n")
     return "\n".join(lines)
 
 

@@ -306,7 +306,7 @@ def test_the_shape_model_fits_one_factor_for_every_model_and_prices_a_model_it_n
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shapes = os.path.join(root, "bench/results/simulate/shapes")
-    runs = C.load_runs(os.path.join(shapes, "call1")) + C.load_runs(os.path.join(shapes, "call2"))
+    runs = C.load_all([os.path.join(shapes, "call1"), os.path.join(shapes, "call2")])
     assert len(runs) == 20 and {r.system for r in runs} == {"zero1", "lins"}
     assert {r.ckpt_units for r in runs if r.model == "shape-h2560-l8"} == {8}  # ZeRO-1 checkpointed as Lins did
     tables = {"host": CLUSTER.table(required_meshes(Topology(1, 1), candidates(Topology(1, 1))))}
