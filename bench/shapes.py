@@ -30,6 +30,7 @@ from lins_ds.plan.compute_model import ComputeTable, step_compute
 from lins_ds.plan.solver import optimizer_seconds
 
 from .calibrate import nnls
+from .simulate import DEFAULT_TERMS, StepTerms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,10 +100,11 @@ GRID_D = np.linspace(0.0, 0.012, 49)
 
 
 def _base(r: dict, a: float, d: float) -> float:
-    """The compute with every layer pass the longer of its kernels (a x the table's) and the host's d."""
-    fwd, bwd = max(a * r["fwd_s"], d), max(a * r["bwd_s"], d)
-    layers = r["layers"] * (r["fwd_s"] + r["bwd_s"]) + r["recomputes"] * r["fwd_s"]
-    return r["layers"] * (fwd + bwd) + r["recomputes"] * fwd + a * (r["compute_s"] - layers)
+    """The compute at a x the table's time, every layer pass the longer of its kernels and the host's d: the
+    simulator's own step (``StepTerms.step``) with no update, link or fixed cost."""
+    terms = StepTerms(a * r["compute_s"], 0.0, 0.0, 0.0, 0, layers=r["layers"], recomputes=r["recomputes"],
+                      layer_fwd_s=a * r["fwd_s"], layer_bwd_s=a * r["bwd_s"])
+    return terms.step(dict(DEFAULT_TERMS, per_layer_s=d))
 
 
 def fit(rows: list) -> tuple:
