@@ -10,6 +10,7 @@
 # ONLY="s9:lins ref2:zero1 ..." runs just those (a second call for what the first did not reach; no compute table).
 # GRID=2 or GRID=3: a further 7 shapes each (about 550 s a call), the reference shape first (no compute table).
 # GRID=4 MODES=zero1 STEPS=16 WARMUP=4: ZeRO-1 again on the shapes it was held worst on, timed over 12 steps.
+# GRID=5/6 MODES=lins, GRID=7 MODES=zero1 (STEPS=20 WARMUP=4): every shape again on another machine.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -29,62 +30,41 @@ run() {  # run <name> <mode> <model> <seq> <mb> [--checkpointing]
   echo "$name $mode rc $? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('step %.4f s peak %.2f GiB' % (r['median_step_s'], r['peak_memory_gb']))" "$OUT/${name}_$mode.json" 2>/dev/null)" | tee -a "$OUT/log.txt"
   keep $(cd "$OUT" && ls "${name}_$mode".* 2>/dev/null)
 }
-case "${GRID:-1}" in
-  1) SHAPES=(
-    "ref shape-h1024-l16 2048 4"
-    "s2 shape-h2048-l12 4096 2"
-    "s3 shape-h3072-l8 1024 4"
-    "s4 shape-h4096-l6 2048 2 --checkpointing"
-    "s5 shape-h5120-l8 4096 1"
-    "s6 shape-h2560-l8 8192 1 --checkpointing"
-    "s7 shape-h1536-l12 4096 2 --checkpointing"
-    "s8 shape-h4096-l4 8192 1"
-    "s9 shape-h5120-l8 2048 2 --checkpointing"
-    "ref2 shape-h1024-l16 2048 4"
-  ) ;;
-  2) SHAPES=(  # shapes the first grid's fit never saw, two of them with grouped KV heads; the reference first
-    "ref3 shape-h1024-l16 2048 4"
-    "n1 shape-h1024-l24 4096 2"
-    "n2 shape-h1536-l16 1024 4"
-    "n3 shape-h2048-l8 8192 1 --checkpointing"
-    "n4 shape-h2560-l12-kv4 2048 2"
-    "n5 shape-h3072-l12 4096 1 --checkpointing"
-    "n6 shape-h3584-l8 2048 4 --checkpointing"
-    "n7 shape-h5120-l6-kv8 1024 4"
-  ) ;;
-  3) SHAPES=(
-    "ref4 shape-h1024-l16 2048 4"
-    "n8 shape-h1024-l8 8192 2"
-    "n9 shape-h2048-l16-kv4 2048 4 --checkpointing"
-    "n10 shape-h3072-l6 8192 1"
-    "n11 shape-h4096-l10 1024 2"
-    "n12 shape-h2560-l16 4096 1"
-    "n13 shape-h1536-l24 2048 2 --checkpointing"
-    "n14 shape-h4096-l8-kv8 4096 2 --checkpointing"
-  ) ;;
-  4) SHAPES=(  # the grid's worst-held DeepSpeed ZeRO-1 shapes again (MODES=zero1 STEPS=16): noise or model?
-    "ref5 shape-h1024-l16 2048 4"
-    "n12b shape-h2560-l16 4096 1"
-    "n11b shape-h4096-l10 1024 2"
-    "n4b shape-h2560-l12-kv4 2048 2"
-    "s3b shape-h3072-l8 1024 4"
-    "s2b shape-h2048-l12 4096 2"
-    "n9b shape-h2048-l16-kv4 2048 4 --checkpointing"
-    "n13b shape-h1536-l24 2048 2 --checkpointing"
-    "n1b shape-h1024-l24 4096 2"
-    "n5b shape-h3072-l12 4096 1 --checkpointing"
-    "s8b shape-h4096-l4 8192 1"
-    "n2b shape-h1536-l16 1024 4"
-    "n8b shape-h1024-l8 8192 2"
-    "ref6 shape-h1024-l16 2048 4"
-  ) ;;
-  *) echo "GRID=${GRID}: 1, 2, 3 or 4" >&2; exit 2 ;;
+declare -A SPEC=(  # base name: model, sequence, micro-batch [--checkpointing]
+  [ref]="shape-h1024-l16 2048 4" [s2]="shape-h2048-l12 4096 2" [s3]="shape-h3072-l8 1024 4"
+  [s4]="shape-h4096-l6 2048 2 --checkpointing" [s5]="shape-h5120-l8 4096 1"
+  [s6]="shape-h2560-l8 8192 1 --checkpointing" [s7]="shape-h1536-l12 4096 2 --checkpointing"
+  [s8]="shape-h4096-l4 8192 1" [s9]="shape-h5120-l8 2048 2 --checkpointing"
+  [n1]="shape-h1024-l24 4096 2" [n2]="shape-h1536-l16 1024 4" [n3]="shape-h2048-l8 8192 1 --checkpointing"
+  [n4]="shape-h2560-l12-kv4 2048 2" [n5]="shape-h3072-l12 4096 1 --checkpointing"
+  [n6]="shape-h3584-l8 2048 4 --checkpointing" [n7]="shape-h5120-l6-kv8 1024 4"
+  [n8]="shape-h1024-l8 8192 2" [n9]="shape-h2048-l16-kv4 2048 4 --checkpointing" [n10]="shape-h3072-l6 8192 1"
+  [n11]="shape-h4096-l10 1024 2" [n12]="shape-h2560-l16 4096 1" [n13]="shape-h1536-l24 2048 2 --checkpointing"
+  [n14]="shape-h4096-l8-kv8 4096 2 --checkpointing"
+)
+case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
+  1) RUNS="ref:ref s2:s2 s3:s3 s4:s4 s5:s5 s6:s6 s7:s7 s8:s8 s9:s9 ref2:ref" ;;
+  2) RUNS="ref3:ref n1:n1 n2:n2 n3:n3 n4:n4 n5:n5 n6:n6 n7:n7" ;;  # shapes the first grid's fit never saw
+  3) RUNS="ref4:ref n8:n8 n9:n9 n10:n10 n11:n11 n12:n12 n13:n13 n14:n14" ;;
+  4) RUNS="ref5:ref n12b:n12 n11b:n11 n4b:n4 s3b:s3 s2b:s2 n9b:n9 n13b:n13 n1b:n1 n5b:n5 s8b:s8 n2b:n2 n8b:n8 ref6:ref" ;;
+  # every shape once more on another machine, longer (STEPS=20 WARMUP=4): Lins on all 23, ZeRO-1 on the 10 it
+  # had run once, the reference first
+  5) RUNS="ref7:ref s2r:s2 s3r:s3 s4r:s4 s5r:s5 s6r:s6 s7r:s7 s8r:s8 s9r:s9 n1r:n1 n2r:n2 n3r:n3" ;;
+  6) RUNS="ref8:ref n4r:n4 n5r:n5 n6r:n6 n7r:n7 n8r:n8 n9r:n9 n10r:n10 n11r:n11 n12r:n12 n13r:n13 n14r:n14" ;;
+  7) RUNS="ref9:ref s4r:s4 s5r:s5 s6r:s6 s7r:s7 s9r:s9 n3r:n3 n6r:n6 n7r:n7 n10r:n10 n14r:n14 ref10:ref" ;;
+  *) echo "GRID=${GRID}: 1 to 7" >&2; exit 2 ;;
 esac
-for s in "${SHAPES[@]}"; do
-  read -r name model seq mb ck <<< "$s"
+# The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
+  --format=csv,nounits -lms 250 > "$OUT/gpu_clocks_grid${GRID:-1}.csv" 2>/dev/null & CLOCKS=$!
+for r in $RUNS; do
+  name=${r%%:*}
+  read -r model seq mb ck <<< "${SPEC[${r#*:}]}"
   for mode in ${MODES:-zero1 lins}; do
     [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name:$mode "* ]] && continue
     run "$name" "$mode" "$model" "$seq" "$mb" $ck
   done
 done
+kill $CLOCKS 2>/dev/null; wait $CLOCKS 2>/dev/null
+keep "gpu_clocks_grid${GRID:-1}.csv"
 keep log.txt

@@ -148,7 +148,8 @@ class Memory:
 
 
 def train(args, engine, model, device) -> tuple:
-    """Per step: the mean loss over every rank's micro-batches, and the wall time; memory by phase of step 1."""
+    """Per step: the mean loss over every rank's micro-batches, the wall time and the wall clock at its end (to line
+    the steps up with a GPU clock log); memory by phase of step 1; the breakdown's medians."""
     from deepspeed import comm as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -156,7 +157,7 @@ def train(args, engine, model, device) -> tuple:
     data = progressions(model.config.vocab_size, args.seq_len, engine.train_micro_batch_size_per_gpu(),
                         args.seed + rank, device)
     gas = engine.gradient_accumulation_steps()
-    losses, times, breakdown, tracer, memory = [], [], [], trace(args, rank, cuda), Memory(cuda)
+    losses, times, ends, breakdown, tracer, memory = [], [], [], [], trace(args, rank, cuda), Memory(cuda)
     memory.mark("after deepspeed.initialize")
     for step in range(args.steps):
         if tracer is not None and step == args.warmup_steps:
@@ -187,6 +188,7 @@ def train(args, engine, model, device) -> tuple:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        ends.append(time.time())
         losses.append(total.item() / world)
         if rank == 0:
             print(f"step {step + 1:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms", flush=True)
@@ -196,7 +198,7 @@ def train(args, engine, model, device) -> tuple:
             tracer = None
     timed = breakdown[args.warmup_steps:] or breakdown
     medians = {k: statistics.median(b[k] for b in timed) for k in timed[0]} if timed and timed[0] else None
-    return losses, times, memory.phases, medians
+    return losses, (times, ends), memory.phases, medians
 
 
 class Phases:
@@ -311,9 +313,9 @@ def main(argv=None) -> dict:
     host_memory = HostMemory()
     engine, model, startup_s = build_engine(args, ds_config, device)
     startup = startup_memory(startup_s, device.type == "cuda")
-    losses, times, phases, breakdown = train(args, engine, model, device)
+    losses, (times, ends), phases, breakdown = train(args, engine, model, device)
     summary = summarize(args, engine, losses, times, phases, startup, device.type == "cuda")
-    summary.update(host_s_per_module=host_s, gpu_cap_gb=args.gpu_cap_gb, breakdown_s=breakdown,
+    summary.update(host_s_per_module=host_s, gpu_cap_gb=args.gpu_cap_gb, breakdown_s=breakdown, step_end_unix=ends,
                    host_memory=host_memory.stop())  # the machine's: every rank of this node in it
     if dist.get_rank() == 0 and summary["host_memory"]:
         print("host memory used: {before_gb:.2f} GiB before the engine, peak {peak_gb:.2f}, rise {rise_gb:.2f}"
