@@ -11,6 +11,8 @@
 # GRID=2 or GRID=3: a further 7 shapes each (about 550 s a call), the reference shape first (no compute table).
 # GRID=4 MODES=zero1 STEPS=16 WARMUP=4: ZeRO-1 again on the shapes it was held worst on, timed over 12 steps.
 # GRID=5/6 MODES=lins, GRID=7 MODES=zero1 (STEPS=20 WARMUP=4): every shape again on another machine.
+# GRID=8, then GRID=9 (STEPS=30 WARMUP=4): two host-bound shapes, then the same pinned to four cores (PIN, a command
+# put before torchrun; GRID=9's default "taskset -c 2-5"): does a step that waits for the host repeat when pinned?
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -23,7 +25,7 @@ run() {  # run <name> <mode> <model> <seq> <mb> [--checkpointing]
   local name=$1 mode=$2 model=$3 seq=$4 mb=$5; shift 5
   local extra=(); [ "$mode" = lins ] && extra=(--lins-memory-gb 130 --lins-init per_module)
   [ "$mode" = lins ] && [ "${1:-}" != --checkpointing ] && extra+=(--lins-checkpointing false)
-  timeout 120 torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 500)) -m bench.train \
+  timeout 120 ${PIN:-} torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 500)) -m bench.train \
     --deepspeed_config "ds_configs/$mode.json" --model "bench/models/$model.json" --seq-len "$seq" \
     --micro-batch-size "$mb" --grad-accum 1 --steps "${STEPS:-6}" --warmup-steps "${WARMUP:-2}" "$@" "${extra[@]}" \
     --out "$OUT/${name}_$mode.json" > "$OUT/${name}_$mode.log" 2>&1
@@ -52,7 +54,9 @@ case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   5) RUNS="ref7:ref s2r:s2 s3r:s3 s4r:s4 s5r:s5 s6r:s6 s7r:s7 s8r:s8 s9r:s9 n1r:n1 n2r:n2 n3r:n3" ;;
   6) RUNS="ref8:ref n4r:n4 n5r:n5 n6r:n6 n7r:n7 n8r:n8 n9r:n9 n10r:n10 n11r:n11 n12r:n12 n13r:n13 n14r:n14" ;;
   7) RUNS="ref9:ref s4r:s4 s5r:s5 s6r:s6 s7r:s7 s9r:s9 n3r:n3 n6r:n6 n7r:n7 n10r:n10 n14r:n14 ref10:ref" ;;
-  *) echo "GRID=${GRID}: 1 to 7" >&2; exit 2 ;;
+  8) RUNS="ref11:ref n2q:n2 ref12:ref" ;;
+  9) RUNS="ref11p:ref n2qp:n2 ref12p:ref"; PIN=${PIN:-taskset -c 2-5} ;;
+  *) echo "GRID=${GRID}: 1 to 9" >&2; exit 2 ;;
 esac
 # The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \

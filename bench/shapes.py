@@ -12,12 +12,15 @@ in relative error — a is how far the kernels of a whole step fall short of the
 host's cost of launching one layer pass's kernels and running its hooks (forward, backward, recompute: a small
 layer waits for the host), b the optimizer's (and, for DeepSpeed, its gradient copies') cost per byte, c a fixed
 cost per step; a and d by a grid search, b and c by non-negative least squares at each point — on half the shapes,
-and each shape of the other half is predicted (leave-shapes-out), both ways. Beside it, the additive form before it,
+and each shape of the other half is predicted (leave-shapes-out), both ways. A shape measured more than once (other
+machines, other calls) is held at the median of its runs; each run is listed, and held alone too. Beside it, the additive form before it,
 ``a x compute + b x update + c + d x layer passes`` (NNLS): every pass pays the host's d on top of its kernels.
 """
 
 from __future__ import annotations
 
+import csv
+import datetime
 import glob
 import json
 import os
@@ -127,31 +130,48 @@ def predict(coef: tuple, r: dict) -> float:
     return _base(r, a, d) + b * r["update_s"] + c
 
 
+def by_shape(rows: list) -> list:
+    """One row per shape: its terms, and as its step the median of its runs' (repeats on other machines and calls:
+    a prediction is held to the shape, as ``calibrate.per_mode`` holds a mode), with the runs kept for the table."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["shape"], []).append(r)
+    return [dict(g[0], step_s=float(np.median([r["step_s"] for r in g])), repeats=g) for _, g in sorted(groups.items())]
+
+
 def analyse(runs: list, table: ComputeTable) -> dict:
     for r in runs:
         r.update(terms(r, table))
     out = {"systems": {}}
     for system in sorted({r["system"] for r in runs}):
-        rows = [r for r in runs if r["system"] == system]
-        shapes = sorted({r["shape"] for r in rows})
-        halves = (shapes[0::2], shapes[1::2])
-        loo, add_loo = {}, {}
+        rows = by_shape([r for r in runs if r["system"] == system])
+        names = [r["shape"] for r in rows]
+        halves = (names[0::2], names[1::2])
         for fit_on, held in (halves, halves[::-1]):
             part = [r for r in rows if r["shape"] in fit_on]
             coef, add_coef = fit(part), additive(part)
             for r in rows:
                 if r["shape"] in held:
-                    loo[id(r)], add_loo[id(r)] = predict(coef, r), additive_predict(add_coef, r)
+                    r["held_out_s"], r["additive_held_out_s"] = predict(coef, r), additive_predict(add_coef, r)
         whole, add_whole = fit(rows), additive(rows)
         out["systems"][system] = {
             "coef": dict(zip(("compute", "update", "per_step_s", "per_layer_pass_s"), whole)),
             "halves": [list(h) for h in halves],
             "additive": dict(zip(("compute", "update", "per_step_s", "per_layer_pass_s"), add_whole)),
-            "runs": [{"shape": r["shape"], "name": r["name"], "dir": os.path.basename(r["dir"]),
-                      "measured_s": r["step_s"], "compute_s": r["compute_s"], "update_s": r["update_s"],
-                      "raw_s": r["compute_s"] + r["update_s"], "fitted_s": predict(whole, r),
-                      "held_out_s": loo[id(r)], "additive_held_out_s": add_loo[id(r)]} for r in rows]}
+            "shapes": [{"shape": r["shape"], "measured_s": r["step_s"], "compute_s": r["compute_s"],
+                        "update_s": r["update_s"], "raw_s": r["compute_s"] + r["update_s"],
+                        "fitted_s": predict(whole, r), "held_out_s": r["held_out_s"],
+                        "additive_held_out_s": r["additive_held_out_s"],
+                        "runs": [{"name": x["name"], "dir": os.path.basename(x["dir"]), "measured_s": x["step_s"]}
+                                 for x in r["repeats"]]} for r in rows]}
     return out
+
+
+def _within(pairs: list) -> str:
+    """"k of n within 10 %, largest, median" of (predicted, measured) pairs."""
+    errs = [abs(p / m - 1) for p, m in pairs]
+    return (f"{sum(e <= 0.10 for e in errs)} of {len(errs)} within 10 %, largest {100 * max(errs):.1f} %, "
+            f"median {100 * statistics.median(errs):.1f} %")
 
 
 def text(result: dict) -> str:
@@ -162,42 +182,88 @@ def text(result: dict) -> str:
                      f"{1e3 * c['per_layer_pass_s']:.2f} ms of host, the rest of the compute x {c['compute']:.3f}, "
                      f"{c['update']:.3f} x update, {1e3 * c['per_step_s']:.1f} ms a step (fitted on every shape); "
                      f"halves: {s['halves']}")
-        lines.append("| shape | call | run | measured s | shape model alone s | error | fitted (all) s | error | "
-                     "held out (fitted on the other half) s | error | additive form, held out |")
+        lines.append("| shape | runs (call/run: s) | measured s (median) | spread | shape model alone s | error | "
+                     "fitted (all) s | error | held out (fitted on the other half) s | error | additive form, held out |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in s["runs"]:
+        for r in s["shapes"]:
             def err(x):
                 return f"{100 * (x / r['measured_s'] - 1):+.1f} %"
-            lines.append(f"| {r['shape']} | {r['dir']} | {r['name']} | {r['measured_s']:.4f} | {r['raw_s']:.4f} | "
-                         f"{err(r['raw_s'])} | {r['fitted_s']:.4f} | {err(r['fitted_s'])} | {r['held_out_s']:.4f} | "
-                         f"**{err(r['held_out_s'])}** | {err(r['additive_held_out_s'])} |")
-        for key, label in (("held_out_s", "held out"), ("additive_held_out_s", "additive form, held out")):
-            held = [abs(r[key] / r["measured_s"] - 1) for r in s["runs"]]
-            lines.append(f"\n{label}: {sum(e <= 0.10 for e in held)} of {len(held)} runs within 10 %, largest "
-                         f"{100 * max(held):.1f} %, median {100 * statistics.median(held):.1f} %")
-        repeats = {}
-        for r in s["runs"]:
-            repeats.setdefault(r["shape"], []).append(r["measured_s"])
-        for shape, steps in repeats.items():
-            if len(steps) > 1:
-                lines.append(f"measured {len(steps)} times (machines and calls apart): {shape}, "
-                             f"{min(steps):.4f}-{max(steps):.4f} s, the slowest {100 * (max(steps) / min(steps) - 1):.0f} % "
-                             f"over the fastest")
+            steps = [x["measured_s"] for x in r["runs"]]
+            runs = ", ".join(f"{x['dir']}/{x['name']}: {x['measured_s']:.4f}" for x in r["runs"])
+            lines.append(f"| {r['shape']} | {runs} | {r['measured_s']:.4f} | {100 * (max(steps) / min(steps) - 1):.0f} % | "
+                         f"{r['raw_s']:.4f} | {err(r['raw_s'])} | {r['fitted_s']:.4f} | {err(r['fitted_s'])} | "
+                         f"{r['held_out_s']:.4f} | **{err(r['held_out_s'])}** | {err(r['additive_held_out_s'])} |")
+        shapes, runs = s["shapes"], [(r, x) for r in s["shapes"] for x in r["runs"]]
+        lines.append(f"\nheld out: {_within([(r['held_out_s'], r['measured_s']) for r in shapes])} (shapes, each "
+                     f"at the median of its runs)")
+        lines.append(f"held out, each run alone: {_within([(r['held_out_s'], x['measured_s']) for r, x in runs])} (runs)")
+        lines.append(f"additive form, held out: {_within([(r['additive_held_out_s'], r['measured_s']) for r in shapes])} "
+                     f"(shapes)")
+        repeated = [r for r in shapes if len(r["runs"]) > 1]
+        spreads = sorted((max(x["measured_s"] for x in r["runs"]) / min(x["measured_s"] for x in r["runs"]) - 1, r["shape"])
+                         for r in repeated)
+        if spreads:
+            lines.append(f"measured more than once (machines and calls apart): {len(repeated)} shapes, the slowest run "
+                         f"over the fastest by {100 * spreads[0][0]:.0f}-{100 * spreads[-1][0]:.0f} % "
+                         f"(median {100 * statistics.median(x for x, _ in spreads):.0f} %, largest {spreads[-1][1]})")
         m = s["additive"]
         lines.append(f"additive form (fitted on every shape): {m['compute']:.3f} x compute + {m['update']:.3f} x "
                      f"update + {1e3 * m['per_step_s']:.1f} ms + {1e3 * m['per_layer_pass_s']:.2f} ms x layer passes\n")
     return "\n".join(lines)
 
 
+REASONS = {0x1: "idle", 0x4: "SW power cap", 0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake"}
+
+
+def read_clocks(folder: str) -> list:
+    """(unix time, SM MHz, throttle-reason bits) of the folder's GPU clock logs (``gpu_clocks_*.csv``: nvidia-smi's
+    csv, its clock UTC, as bench/gpu_issue27.sh writes it beside the runs)."""
+    rows = []
+    for path in glob.glob(os.path.join(folder, "gpu_clocks_*.csv")):
+        with open(path, newline="") as f:
+            for r in list(csv.reader(f))[1:]:
+                when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f")
+                rows.append((when.replace(tzinfo=datetime.timezone.utc).timestamp(), int(r[1]), int(r[6], 16)))
+    return sorted(rows)
+
+
+def clock_lines(dirs: list, warmup: int = 4) -> list:
+    """Per run with a clock log beside it: the spread of its timed steps next to the GPU's SM clock and throttle
+    reasons sampled within them. A host-bound step moves while the clock holds; a kernel-bound one follows it."""
+    lines = []
+    for d in dirs:
+        clocks = read_clocks(d)
+        for path in sorted(glob.glob(os.path.join(d, "*_*.json"))) if clocks else ():
+            r = json.load(open(path))
+            ends = r.get("step_end_unix")
+            if not ends:
+                continue
+            steps = list(zip(r["step_times_s"], ends))[warmup:]
+            seen = [c for dt, end in steps for c in clocks if end - dt <= c[0] <= end]
+            if not seen:
+                continue
+            times = [dt for dt, _ in steps]
+            reasons = sorted({name for _, _, bits in seen for bit, name in REASONS.items() if bits & bit}) or ["none"]
+            lines.append(f"{os.path.basename(d)}/{os.path.basename(path)[:-5]}: steps {1e3 * min(times):.0f}-"
+                         f"{1e3 * max(times):.0f} ms ({100 * (max(times) / min(times) - 1):.0f} %), SM clock "
+                         f"{min(c[1] for c in seen)}-{max(c[1] for c in seen)} MHz over {len(seen)} samples, "
+                         f"throttled by: {', '.join(reasons)}")
+    return lines
+
+
 def add_arguments(p) -> None:
     p.add_argument("dirs", nargs="+", help="folders of bench/train.py JSONs named <shape>_<system>.json")
     p.add_argument("--compute", required=True, help="the device's compute table (python -m lins_ds.profiler.compute)")
     p.add_argument("--out", help="write the analysis as JSON here")
+    p.add_argument("--clocks", action="store_true", help="also each run's step spread next to the GPU clock log "
+                   "beside it (bench/gpu_issue27.sh writes one; its runs time from step 5)")
 
 
 def main(args) -> int:
     result = analyse(load(args.dirs), ComputeTable.load(args.compute))
     print(text(result))
+    if args.clocks:
+        print("\n".join(clock_lines(args.dirs)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
