@@ -61,6 +61,7 @@ esac
 # The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
   --format=csv,nounits -lms 250 > "$OUT/gpu_clocks_grid${GRID:-1}.csv" 2>/dev/null & CLOCKS=$!
+trap 'kill $CLOCKS 2>/dev/null' EXIT  # a call cut short leaves no logger behind
 for r in $RUNS; do
   name=${r%%:*}
   read -r model seq mb ck <<< "${SPEC[${r#*:}]}"
