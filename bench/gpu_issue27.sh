@@ -13,6 +13,7 @@
 # GRID=5/6 MODES=lins, GRID=7 MODES=zero1 (STEPS=20 WARMUP=4): every shape again on another machine.
 # GRID=8, then GRID=9 (STEPS=30 WARMUP=4): two host-bound shapes, then the same pinned to four cores (PIN, a command
 # put before torchrun; GRID=9's default "taskset -c 2-5"): does a step that waits for the host repeat when pinned?
+# GRID=10-13 (STEPS=20 WARMUP=4): every shape a third time under both systems, on one more machine.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -56,10 +57,16 @@ case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   7) RUNS="ref9:ref s4r:s4 s5r:s5 s6r:s6 s7r:s7 s9r:s9 n3r:n3 n6r:n6 n7r:n7 n10r:n10 n14r:n14 ref10:ref" ;;
   8) RUNS="ref11:ref n2q:n2 ref12:ref" ;;
   9) RUNS="ref11p:ref n2qp:n2 ref12p:ref"; PIN=${PIN:-taskset -c 2-5} ;;
-  *) echo "GRID=${GRID}: 1 to 9" >&2; exit 2 ;;
+  # a third run of every shape under both systems, on one more machine (STEPS=20 WARMUP=4): a shape is held at the
+  # median of three; the reference first in each call
+  10) RUNS="ref13:ref s2t:s2 s3t:s3 s4t:s4 s5t:s5 s6t:s6 s7t:s7" ;;
+  11) RUNS="ref14:ref s8t:s8 s9t:s9 n1t:n1 n2t:n2 n3t:n3 n4t:n4" ;;
+  12) RUNS="ref15:ref n5t:n5 n6t:n6 n7t:n7 n8t:n8 n9t:n9" ;;
+  13) RUNS="ref16:ref n10t:n10 n11t:n11 n12t:n12 n13t:n13 n14t:n14" ;;
+  *) echo "GRID=${GRID}: 1 to 13" >&2; exit 2 ;;
 esac
 # The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
+nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
   --format=csv,nounits -lms 250 > "$OUT/gpu_clocks_grid${GRID:-1}.csv" 2>/dev/null & CLOCKS=$!
 trap 'kill $CLOCKS 2>/dev/null' EXIT  # a call cut short leaves no logger behind
 for r in $RUNS; do

@@ -213,7 +213,9 @@ def text(result: dict) -> str:
     return "\n".join(lines)
 
 
-REASONS = {0x1: "idle", 0x4: "SW power cap", 0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake"}
+# nvidia-smi's clocks_event_reasons bits (nvmlClocksEventReasons)
+REASONS = {0x1: "idle", 0x2: "application clocks", 0x4: "SW power cap", 0x8: "HW slowdown", 0x10: "sync boost",
+           0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake", 0x100: "display clock"}
 
 
 def read_clocks(folder: str) -> list:
@@ -223,15 +225,19 @@ def read_clocks(folder: str) -> list:
     for path in glob.glob(os.path.join(folder, "gpu_clocks_*.csv")):
         with open(path, newline="") as f:
             for r in list(csv.reader(f))[1:]:
-                when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f")
-                rows.append((when.replace(tzinfo=datetime.timezone.utc).timestamp(), int(r[1]), int(r[6], 16)))
+                try:  # a sample nvidia-smi could not take reads "[N/A]" (or the log was cut mid-row): left out
+                    when = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f")
+                    rows.append((when.replace(tzinfo=datetime.timezone.utc).timestamp(), int(r[1]), int(r[6], 16)))
+                except (ValueError, IndexError):
+                    continue
     return sorted(rows)
 
 
 def clock_lines(dirs: list, warmup: int = 4) -> list:
     """Per run with a clock log beside it: the spread of its timed steps next to the GPU's SM clock and throttle
-    reasons sampled within them. On the lent H200s a step that waits for the host moved by 13-70 % with the clock
-    at its maximum; one whose kernels keep the GPU busy ran under the power cap, its clock moving, and repeated."""
+    reasons sampled within them (the steps after the run's own ``warmup_steps``; ``warmup`` for results older than
+    that field). On the lent H200s a step that waits for the host moved by 13-70 % with the clock at its maximum;
+    one whose kernels keep the GPU busy ran under the power cap, its clock moving, and repeated."""
     lines = []
     for d in dirs:
         clocks = read_clocks(d)
@@ -240,7 +246,7 @@ def clock_lines(dirs: list, warmup: int = 4) -> list:
             ends = r.get("step_end_unix")
             if not ends:
                 continue
-            steps = list(zip(r["step_times_s"], ends))[warmup:]
+            steps = list(zip(r["step_times_s"], ends))[r.get("warmup_steps", warmup):]
             seen = [c for dt, end in steps for c in clocks if end - dt <= c[0] <= end]
             if not seen:
                 continue
