@@ -210,14 +210,17 @@ def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool
              per_layer_s: float = HOST_PER_LAYER_PASS_S) -> dict:
     """The run's regressors: what each fitted coefficient multiplies. ``bound``: whether the run's fetches,
     not its link, set the pace (None: not yet known, both count). With the shape model (``key`` "shape") each
-    system also has a host cost per step, and one per layer pass, which only the passes that wait for the host
-    at ``per_layer_s`` (the previous round's) pay, in their kernels' place."""
+    system also has a host cost per step, one per layer once a step (DeepSpeed's stage 1 reduces gradients
+    parameter by parameter at the boundary only: gas 2 runs tell it from the per-pass cost), and one per layer
+    pass, which only the passes that wait for the host at ``per_layer_s`` (the previous round's) pay, in their
+    kernels' place."""
     passes, kernels = terms.host_passes(per_layer_s) if key == "shape" else (0, 0.0)
     cols = {f"compute:{key}": (terms.compute_s - kernels) * efficiency,  # at peak / as measured: coefficient 1/eff.
             "update": terms.update_s}
     if key == "shape":
         cols[f"layer:{run.system}"] = passes * terms.host_scale
         cols[f"step:{run.system}"] = terms.host_scale
+        cols[f"boundary:{run.system}"] = terms.model_layers * terms.host_scale
     if not terms.fetches or bound is not True:
         cols[f"comm:{run.system}"] = terms.exposed_s
     if terms.fetches and bound is not False:
@@ -328,7 +331,8 @@ def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: 
         terms = {"comm_factor": coef.get(f"comm:{s}"), "update_factor": coef.get("update"),
                  "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None,
                  "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None,
-                 "per_layer_s": coef.get(f"layer:{s}"), "per_step_s": coef.get(f"step:{s}")}
+                 "per_layer_s": coef.get(f"layer:{s}"), "per_step_s": coef.get(f"step:{s}"),
+                 "per_layer_step_s": coef.get(f"boundary:{s}")}
         out[s] = {t: float(v) for t, v in terms.items() if v is not None}
     return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster, host_s, compute_table)
 
@@ -453,7 +457,7 @@ def terms_text(overheads: Overheads) -> str:
            "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (bench/host.py; scaled by each "
                                              "run's own)" if host else "unmeasured speed (no run measured its host)"),
            f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"
-           + (f"{'per_layer_ms':>13}{'per_step_ms':>12}" if shape else "")]
+           + (f"{'per_layer_ms':>13}{'per_step_ms':>12}{'layer_step_ms':>14}" if shape else "")]
     defaulted = False
     for s, fitted in overheads.systems.items():
         t = overheads.terms(s)
@@ -464,7 +468,8 @@ def terms_text(overheads: Overheads) -> str:
                    f"{mark['update_factor']}{1e3 * t['per_fetch_s']:>12.3f}{mark['per_fetch_s']}"
                    + (f"{1e-9 / t['per_fetch_byte_s']:>10.0f}" if t["per_fetch_byte_s"] else f"{'-':>10}")
                    + mark["per_fetch_byte_s"]
-                   + (f"{1e3 * t['per_layer_s']:>12.3f} {1e3 * t['per_step_s']:>11.2f}" if shape else ""))
+                   + (f"{1e3 * t['per_layer_s']:>12.3f} {1e3 * t['per_step_s']:>11.2f} "
+                      f"{1e3 * t['per_layer_step_s']:>13.3f}" if shape else ""))
     if defaulted:
         out.append("* not determined by these runs (the system has none, or all on the other branch): the default")
     return "\n".join(out)

@@ -15,7 +15,8 @@ cost per step; a and d by a grid search, b and c by non-negative least squares a
 and each shape of the other half is predicted (leave-shapes-out), both ways. A shape measured more than once (other
 machines, other calls) is held at the median of its runs; each run is listed, and held alone too. Beside it, the
 additive form before it, ``a x compute + b x update + c + d x layer passes`` (NNLS): every pass pays the host's d on
-top of its kernels.
+top of its kernels. The simulator's host cost per layer once a step is left out: these runs are gas 1, where it is
+one more cost per layer beside d (a scratch fit with it held ZeRO-1 no better); the 2-GPU runs at gas 2 fit it.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ class Overheads:
 
 
 DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0, "per_fetch_byte_s": 0.0,
-                 "per_layer_s": 0.0, "per_step_s": 0.0}
+                 "per_layer_s": 0.0, "per_step_s": 0.0, "per_layer_step_s": 0.0}
 NO_OVERHEADS = Overheads({}, {}, "none")
 
 
@@ -197,6 +197,7 @@ class StepTerms:
     recomputes: int = 0  # checkpointed layers x micro-batches: each one more forward pass
     layer_fwd_s: float = 0.0  # the kernels of one layer's forward pass (compute_s's rate; 0 without the shape model)
     layer_bwd_s: float = 0.0  # and of its backward pass
+    model_layers: int = 0  # the model's layers, for the host's work per layer once a step (0 without the shape model)
 
     def host_passes(self, per_layer_s: float) -> tuple:
         """(passes, their kernels' seconds): the layer passes whose host work (launches, hooks: ``per_layer_s``
@@ -222,10 +223,12 @@ class StepTerms:
         waits for its gather, and its hooks run while the prefetched gathers are in flight, so on a fast link
         (NVLink) the fetches' CPU cost is what is left exposed and on a slow one (sockets, a network) the
         transfers. A layer pass takes the longer of its kernels and the host's work to launch them and run its
-        hooks (small layers wait for the host: ``host_passes``); each step has a fixed host cost too."""
+        hooks (small layers wait for the host: ``host_passes``); each step has a fixed host cost too, and one per
+        layer once a step (``per_layer_step_s``: DeepSpeed's stage 1 reduces each parameter's gradient, bucket by
+        bucket, only in the last micro-batch's backward: ``reduce_ready_partitions_and_remove_grads``)."""
         passes, kernels = self.host_passes(ov["per_layer_s"])
-        return (self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
-                + (ov["per_layer_s"] * passes + ov["per_step_s"]) * self.host_scale - kernels)
+        host = ov["per_layer_s"] * passes + ov["per_step_s"] + ov["per_layer_step_s"] * self.model_layers
+        return self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov)) + host * self.host_scale - kernels
 
 
 def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,
@@ -246,7 +249,7 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
                      n, 2.0 * train.grad_accum * model.total_params() * train.param_bytes if n and gathers else 0.0,
                      layers=train.grad_accum * model.num_layers,
                      recomputes=train.grad_accum * min(ckpt_units, model.num_layers), layer_fwd_s=layer_fwd,
-                     layer_bwd_s=layer_bwd)
+                     layer_bwd_s=layer_bwd, model_layers=model.num_layers if compute.table is not None else 0)
 
 
 def layer_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec) -> tuple:

@@ -28,7 +28,7 @@ def _tables():
     return {name: CLUSTER.table(required_meshes(topo, candidates(topo))) for name, topo in TOPOLOGIES.items()}
 
 
-def _bench(path, model, steps=None, host=None, truth=TRUE):
+def _bench(path, model, steps=None, host=None, truth=TRUE, grad_accum=2):
     """A lins-ds bench result for ``model``, its runs on a host measured at ``host`` s per module (None: not
     measured); steps from ``truth`` unless given."""
     rows = {}
@@ -37,11 +37,11 @@ def _bench(path, model, steps=None, host=None, truth=TRUE):
             lay = Layout(Factor(1, 1), Factor(1, 1), Factor(topo.gpus_per_node, topo.nodes))
             rows.setdefault(name, []).append({"mode": mode, "model": model, "world_size": 2, "seq_len": 2048,
                                               "gpus_per_node": topo.gpus_per_node, "median_step_s": 1.0,
-                                              "samples_per_gpu_per_step": 4, "peak_memory_gb": 20.0,
+                                              "samples_per_gpu_per_step": 2 * grad_accum, "peak_memory_gb": 20.0,
                                               "plan": lay.to_json() if mode == "lins" else None,
                                               "host_s_per_module": host})
     nocomm = {"mode": "nocomm", "model": model, "seq_len": 2048, "median_step_s": 1.0, "peak_memory_gb": 20.0}
-    bench = {"command": "lins-ds bench", "micro_batch_size": 2, "grad_accum": 2, "no_comm_limit": nocomm,
+    bench = {"command": "lins-ds bench", "micro_batch_size": 2, "grad_accum": grad_accum, "no_comm_limit": nocomm,
              "table": {t: {"rows": r} for t, r in rows.items()}}
     path.write_text(json.dumps(bench))
     runs = C.load_runs(str(path))
@@ -318,3 +318,31 @@ def test_the_shape_model_fits_one_factor_for_every_model_and_prices_a_model_it_n
     unseen = C.load_runs(os.path.join(root, "bench/results/tune/final/cache/tune-runs.jsonl"))
     errors = [C.predict(r, tables, CLUSTER.compute(), ov)[0] / r.step_s - 1 for r in unseen]
     assert all(abs(e) < 0.25 for e in errors), errors
+
+
+def test_a_host_cost_per_layer_once_a_step_is_told_from_one_per_micro_batch(tmp_path):
+    """With the shape model each system also has a host cost per layer once a step (DeepSpeed's stage 1 reduces
+    gradients parameter by parameter in the last micro-batch only): runs at gas 1 and gas 2 tell it from the cost
+    per layer pass, which every micro-batch pays; three depths tell it from the update and the fixed cost."""
+    import os
+
+    from lins_ds.plan.compute_model import ComputeTable
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    table = ComputeTable.load(os.path.join(root, "bench/results/simulate/shapes/call1/compute_h200.json"))
+    systems = {s: dict(t, per_step_s=0.01) for s, t in TRUE.systems.items() if s != "mics"}
+    systems["zero1"]["per_layer_step_s"] = 2.5e-3
+    truth = Overheads(systems, {"shape": 0.85}, "synthetic", host_s_per_module=None, compute_table=table.to_json())
+    benches = [_bench(tmp_path / f"b{m}_{g}.json", m, truth=truth, grad_accum=g) for m in ("1b", "7b", "13b")
+               for g in (1, 2)]
+    runs = [r for b in benches for r in C.load_runs(b) if r.system != "mics"]
+    compute = replace(CLUSTER.compute(), table=table, achievable_mfu=1.0)
+    got = C.fit(runs, _tables(), compute)
+    assert got.compute["shape"] == pytest.approx(0.85, rel=1e-3)
+    assert got.terms("zero1")["per_layer_step_s"] == pytest.approx(2.5e-3, rel=1e-3)
+    assert got.terms("zero2")["per_layer_step_s"] == pytest.approx(0.0, abs=1e-7)
+    assert got.terms("lins")["per_step_s"] == pytest.approx(0.01, rel=1e-3)
+    one = [r for r in runs if r.system == "zero1" and r.grad_accum == 1 and r.topology == "host"][0]
+    two = [r for r in runs if r.system == "zero1" and r.grad_accum == 2 and r.topology == "host"][0]
+    terms1, terms2 = (C.predict(r, _tables(), CLUSTER.compute(), got)[1] for r in (one, two))
+    assert terms1.model_layers == terms2.model_layers and terms2.layers == 2 * terms1.layers

@@ -159,3 +159,7 @@ def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
     assert small.step(ov) == pytest.approx(0.1 - 6e-3 + 6 * 2e-3 + 5e-3)
     slow = replace(small, host_scale=2.0)
     assert slow.host_passes(2e-3)[0] == 10 and slow.step(ov) == pytest.approx(0.1 - 18e-3 + 10 * 4e-3 + 10e-3)
+    # a host cost per layer once a step, whatever the micro-batches: 4 layers, on this host and on one twice as slow
+    once = dict(ov, per_layer_step_s=1e-3)
+    assert replace(big, model_layers=4).step(once) == pytest.approx(1.0 + 5e-3 + 4e-3)
+    assert replace(slow, model_layers=4).step(once) == pytest.approx(slow.step(ov) + 2 * 4e-3)
