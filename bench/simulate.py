@@ -224,11 +224,12 @@ class StepTerms:
         (NVLink) the fetches' CPU cost is what is left exposed and on a slow one (sockets, a network) the
         transfers. A layer pass takes the longer of its kernels and the host's work to launch them and run its
         hooks (small layers wait for the host: ``host_passes``); each step has a fixed host cost too, and one per
-        layer once a step (``per_layer_step_s``: DeepSpeed's stage 1 reduces each parameter's gradient, bucket by
-        bucket, only in the last micro-batch's backward: ``reduce_ready_partitions_and_remove_grads``)."""
+        layer once a step (``per_layer_step_s``; e.g. DeepSpeed's stage 1 reduces each parameter's gradient, bucket
+        by bucket, only in the last micro-batch's backward: ``reduce_ready_partitions_and_remove_grads``)."""
         passes, kernels = self.host_passes(ov["per_layer_s"])
         host = ov["per_layer_s"] * passes + ov["per_step_s"] + ov["per_layer_step_s"] * self.model_layers
-        return self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov)) + host * self.host_scale - kernels
+        return (self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
+                + host * self.host_scale - kernels)
 
 
 def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,
