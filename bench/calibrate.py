@@ -17,7 +17,8 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
                                              fetches for the others
 
 With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor, and each
-system adds ``per_step`` and, for the layer passes whose kernels are shorter than it, ``per_layer`` in their place
+system adds ``per_step``, ``per_layer_step`` times the model's layers (host work once a step, whatever the
+micro-batches) and, for the layer passes whose kernels are shorter than it, ``per_layer`` in their place
 (``simulate.StepTerms.step``); which passes those are is fitted as the branch below, from 2 ms a pass.
 
 The maximum is fitted by its active branch: each ZeRO-3-family run's regressor is the branch that is slower
