@@ -211,8 +211,8 @@ def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool
              per_layer_s: float = HOST_PER_LAYER_PASS_S) -> dict:
     """The run's regressors: what each fitted coefficient multiplies. ``bound``: whether the run's fetches,
     not its link, set the pace (None: not yet known, both count). With the shape model (``key`` "shape") each
-    system also has a host cost per step, one per layer once a step (DeepSpeed's stage 1 reduces gradients
-    parameter by parameter at the boundary only: gas 2 runs tell it from the per-pass cost), and one per layer
+    system also has a host cost per step, one per layer once a step (e.g. DeepSpeed's stage 1 reduces
+    gradients parameter by parameter at the boundary only: gas 2 runs tell it from the per-pass cost), and one per layer
     pass, which only the passes that wait for the host at ``per_layer_s`` (the previous round's) pay, in their
     kernels' place."""
     passes, kernels = terms.host_passes(per_layer_s) if key == "shape" else (0, 0.0)

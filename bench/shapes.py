@@ -169,6 +169,12 @@ def analyse(runs: list, table: ComputeTable) -> dict:
     return out
 
 
+def _spread(runs: list) -> float:
+    """How much slower a shape's slowest run was than its fastest (0 for one run)."""
+    steps = [x["measured_s"] for x in runs]
+    return max(steps) / min(steps) - 1
+
+
 def _within(pairs: list) -> str:
     """"k of n within 10 %, largest, median" of (predicted, measured) pairs."""
     errs = [abs(p / m - 1) for p, m in pairs]
@@ -190,9 +196,8 @@ def text(result: dict) -> str:
         for r in s["shapes"]:
             def err(x):
                 return f"{100 * (x / r['measured_s'] - 1):+.1f} %"
-            steps = [x["measured_s"] for x in r["runs"]]
             listed = ", ".join(f"{x['dir']}/{x['name']}: {x['measured_s']:.4f}" for x in r["runs"])
-            lines.append(f"| {r['shape']} | {listed} | {r['measured_s']:.4f} | {100 * (max(steps) / min(steps) - 1):.0f} % | "
+            lines.append(f"| {r['shape']} | {listed} | {r['measured_s']:.4f} | {100 * _spread(r['runs']):.0f} % | "
                          f"{r['raw_s']:.4f} | {err(r['raw_s'])} | {r['fitted_s']:.4f} | {err(r['fitted_s'])} | "
                          f"{r['held_out_s']:.4f} | **{err(r['held_out_s'])}** | {err(r['additive_held_out_s'])} |")
         shapes, runs = s["shapes"], [(r, x) for r in s["shapes"] for x in r["runs"]]
@@ -202,8 +207,7 @@ def text(result: dict) -> str:
         lines.append(f"additive form, held out: {_within([(r['additive_held_out_s'], r['measured_s']) for r in shapes])} "
                      f"(shapes)")
         repeated = [r for r in shapes if len(r["runs"]) > 1]
-        spreads = sorted((max(x["measured_s"] for x in r["runs"]) / min(x["measured_s"] for x in r["runs"]) - 1, r["shape"])
-                         for r in repeated)
+        spreads = sorted((_spread(r["runs"]), r["shape"]) for r in repeated)
         if spreads:
             lines.append(f"measured more than once (machines and calls apart): {len(repeated)} shapes, the slowest run "
                          f"over the fastest by {100 * spreads[0][0]:.0f}-{100 * spreads[-1][0]:.0f} % "
@@ -266,7 +270,7 @@ def add_arguments(p) -> None:
     p.add_argument("--compute", required=True, help="the device's compute table (python -m lins_ds.profiler.compute)")
     p.add_argument("--out", help="write the analysis as JSON here")
     p.add_argument("--clocks", action="store_true", help="also each run's step spread next to the GPU clock log "
-                   "beside it (bench/gpu_issue27.sh writes one; its runs time from step 5)")
+                   "beside it (bench/gpu_issue27.sh writes one), over the steps after each run's warm-up")
 
 
 def main(args) -> int:
