@@ -13,7 +13,8 @@
 # GRID=5/6 MODES=lins, GRID=7 MODES=zero1 (STEPS=20 WARMUP=4): every shape again on another machine.
 # GRID=8, then GRID=9 (STEPS=30 WARMUP=4): two host-bound shapes, then the same pinned to four cores (PIN, a command
 # put before torchrun; GRID=9's default "taskset -c 2-5"): does a step that waits for the host repeat when pinned?
-# GRID=10-13 (STEPS=20 WARMUP=4): every shape a third time under both systems, on one more machine.
+# GRID=10-13 (STEPS=20 WARMUP=4): every shape a third time under both systems, on one more machine (GRID=12 and 13
+# ran once with MODES=zero1 and once, on another machine, with MODES=lins).
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
