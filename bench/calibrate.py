@@ -15,6 +15,10 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
                                              measure it) and the bytes each fetch waits for. Shared by the
                                              ZeRO-3 family (ZeRO-3, ZeRO++ and MiCS run the same code); 0
                                              fetches for the others
+         + overlap_factor[system] * overlapped   the communication the system overlaps with compute (Lins'
+                                             executor; DeepSpeed's is all taken as exposed): what of it the
+                                             step still pays, the overlapped kernels slowing each other or
+                                             the overlap falling short
 
 With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor, and each
 system adds ``per_step``, ``per_layer_step`` times the model's layers (host work once a step, whatever the
@@ -224,6 +228,8 @@ def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool
         cols[f"boundary:{run.system}"] = terms.model_layers * terms.host_scale
     if not terms.fetches or bound is not True:
         cols[f"comm:{run.system}"] = terms.exposed_s
+    if terms.overlapped_s > 0:  # what the overlapped communication still costs the step
+        cols[f"overlap:{run.system}"] = terms.overlapped_s
     if terms.fetches and bound is not False:
         cols["fetch"] = terms.fetches * terms.host_scale
         cols["fetch_byte"] = terms.fetch_bytes
@@ -329,7 +335,8 @@ def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: 
     run too); a term no run determined keeps its default."""
     out = {}
     for s in SYSTEMS:
-        terms = {"comm_factor": coef.get(f"comm:{s}"), "update_factor": coef.get("update"),
+        terms = {"comm_factor": coef.get(f"comm:{s}"), "overlap_factor": coef.get(f"overlap:{s}"),
+                 "update_factor": coef.get("update"),
                  "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None,
                  "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None,
                  "per_layer_s": coef.get(f"layer:{s}"), "per_step_s": coef.get(f"step:{s}"),
@@ -374,6 +381,7 @@ def validate(runs: list, tables: dict, compute: ComputeSpec, overheads: Overhead
                      "peak_source": "plan" if r.planned_peak_gb is not None else "simulator (formula activations)",
                      "terms": {"compute_s": terms.compute_s, "update_s": ov["update_factor"] * terms.update_s,
                                "exposed_comm_s": terms.waits(ov)[0], "fetch_s": terms.waits(ov)[1],
+                               "overlapped_comm_s": ov["overlap_factor"] * terms.overlapped_s,
                                "fetches": terms.fetches, "fetch_bound": terms.fetch_bound(ov)}})
     left_out = {}  # key -> the fit made without that mode's runs
     for r, row in zip(runs, rows):
@@ -457,7 +465,7 @@ def terms_text(overheads: Overheads) -> str:
     out = [model,
            "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (bench/host.py; scaled by each "
                                              "run's own)" if host else "unmeasured speed (no run measured its host)"),
-           f"{'system':<8}{'comm_factor':>12}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"
+           f"{'system':<8}{'comm_factor':>12}{'overlap':>8}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"
            + (f"{'per_layer_ms':>13}{'per_step_ms':>12}{'layer_step_ms':>14}" if shape else "")]
     defaulted = False
     for s, fitted in overheads.systems.items():
@@ -465,7 +473,8 @@ def terms_text(overheads: Overheads) -> str:
         own = ("comm_factor", "update_factor") + (("per_fetch_s", "per_fetch_byte_s") if s in FETCH_SYSTEMS else ())
         mark = {k: "*" if k in own and k not in fitted else " " for k in t}
         defaulted |= "*" in mark.values()
-        out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['update_factor']:>13.3f}"
+        out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['overlap_factor']:>8.3f}"
+                   f"{t['update_factor']:>13.3f}"
                    f"{mark['update_factor']}{1e3 * t['per_fetch_s']:>12.3f}{mark['per_fetch_s']}"
                    + (f"{1e-9 / t['per_fetch_byte_s']:>10.0f}" if t["per_fetch_byte_s"] else f"{'-':>10}")
                    + mark["per_fetch_byte_s"]

@@ -123,7 +123,9 @@ class Overheads:
     """Per-system costs the byte model leaves out, fitted from GPU runs of each system (``bench/calibrate.py``):
     ``comm_factor`` scales the modelled exposed communication (what the system's bucketing and scheduling make
     of the profiled collective times), ``update_factor`` the modelled optimizer update (bytes at full memory
-    bandwidth; the real update makes extra copies and launches), ``per_fetch_s`` is the cost of one module fetch
+    bandwidth; the real update makes extra copies and launches), ``overlap_factor`` the share of the communication
+    the system overlaps with compute (Lins' executor: ``cost.exposed_seconds``) that its step still pays (the
+    overlapped kernels slow each other, or the overlap falls short), ``per_fetch_s`` is the cost of one module fetch
     of the ZeRO-3 family (its hooks and launches, forward and backward) on a host of ``host_s_per_module``, and
     ``per_fetch_byte_s`` its cost per byte it assembles (a fetch waits for its own gather). ``compute`` holds the
     fitted compute efficiency per model name."""
@@ -170,8 +172,8 @@ class Overheads:
                    str(obj.get("cluster", "")), float(host) if host else None, obj.get("compute_table"))
 
 
-DEFAULT_TERMS = {"comm_factor": 1.0, "update_factor": 1.0, "per_fetch_s": 0.0, "per_fetch_byte_s": 0.0,
-                 "per_layer_s": 0.0, "per_step_s": 0.0, "per_layer_step_s": 0.0}
+DEFAULT_TERMS = {"comm_factor": 1.0, "overlap_factor": 0.0, "update_factor": 1.0, "per_fetch_s": 0.0,
+                 "per_fetch_byte_s": 0.0, "per_layer_s": 0.0, "per_step_s": 0.0, "per_layer_step_s": 0.0}
 NO_OVERHEADS = Overheads({}, {}, "none")
 
 
@@ -199,6 +201,11 @@ class StepTerms:
     layer_bwd_s: float = 0.0  # and of its backward pass
     model_layers: int = 0  # the model's layers, for the host's work per layer once a step (0 without the shape model)
 
+    @property
+    def overlapped_s(self) -> float:
+        """The modelled communication that overlaps compute (0 for DeepSpeed's, all taken as exposed)."""
+        return max(0.0, self.comm_s - self.exposed_s)
+
     def host_passes(self, per_layer_s: float) -> tuple:
         """(passes, their kernels' seconds): the layer passes whose host work (launches, hooks: ``per_layer_s``
         at this host's speed) outlasts their kernels, so that the GPU waits for the host (see ``step``)."""
@@ -219,7 +226,8 @@ class StepTerms:
         return fetch > link
 
     def step(self, ov: dict) -> float:
-        """Compute + update + the slower of the link and the fetches + what the host adds: a DeepSpeed fetch
+        """Compute + update + the slower of the link and the fetches + what the overlapped communication still
+        costs (``overlap_factor``) + what the host adds: a DeepSpeed fetch
         waits for its gather, and its hooks run while the prefetched gathers are in flight, so on a fast link
         (NVLink) the fetches' CPU cost is what is left exposed and on a slow one (sockets, a network) the
         transfers. A layer pass takes the longer of its kernels and the host's work to launch them and run its
@@ -229,7 +237,7 @@ class StepTerms:
         passes, kernels = self.host_passes(ov["per_layer_s"])
         host = ov["per_layer_s"] * passes + ov["per_step_s"] + ov["per_layer_step_s"] * self.model_layers
         return (self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
-                + host * self.host_scale - kernels)
+                + ov["overlap_factor"] * self.overlapped_s + host * self.host_scale - kernels)
 
 
 def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,

@@ -92,6 +92,21 @@ def test_fit_recovers_the_terms_that_made_the_runs(benches):
     assert lins["predicted_peak_gb"] > 0 and lins["plan"] == "P=1x1 G=1x1 OS=2x1"
 
 
+def test_what_overlapped_communication_still_costs_is_told_from_what_is_exposed(tmp_path):
+    """Lins overlaps its boundary AllReduce and P-sync with compute (``cost.exposed_seconds``); the step may still
+    pay part of that time (the overlapped kernels slow each other). Its runs on a fast link (nothing exposed) and
+    on a slow one (part exposed) tell that share from the factor on the exposed part."""
+    systems = dict(TRUE.systems, lins=dict(TRUE.systems["lins"], overlap_factor=0.8))
+    truth = Overheads(systems, TRUE.compute, "synthetic")
+    runs = [r for m in ("1b", "7b") for r in C.load_runs(_bench(tmp_path / f"b{m}.json", m, truth=truth))]
+    lins = [C.predict(r, _tables(), CLUSTER.compute(), truth)[1] for r in runs if r.system == "lins"]
+    assert all(t.overlapped_s > 0 for t in lins) and any(t.exposed_s > 0 for t in lins)
+    got = C.fit(runs, _tables(), CLUSTER.compute())
+    assert got.terms("lins")["overlap_factor"] == pytest.approx(0.8, rel=1e-3)
+    assert got.terms("lins")["comm_factor"] == pytest.approx(1.15, rel=1e-3)
+    assert got.terms("zero1")["overlap_factor"] == 0.0  # DeepSpeed's communication is all taken as exposed
+
+
 def test_a_noisy_run_shows_in_its_error_and_leave_one_out(tmp_path):
     tables, compute = _tables(), CLUSTER.compute()
     path = _bench(tmp_path / "b1.json", "1b")

@@ -163,3 +163,7 @@ def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
     once = dict(ov, per_layer_step_s=1e-3)
     assert replace(big, model_layers=4).step(once) == pytest.approx(1.0 + 5e-3 + 4e-3)
     assert replace(slow, model_layers=4).step(once) == pytest.approx(slow.step(ov) + 2 * 4e-3)
+    # communication overlapped with compute costs the step its overlap factor's share; exposed, its comm factor's
+    both = StepTerms(1.0, 0.0, 0.1, 0.4, 0)
+    assert both.overlapped_s == pytest.approx(0.3)
+    assert both.step(dict(DEFAULT_TERMS, comm_factor=1.5, overlap_factor=0.5)) == pytest.approx(1.0 + 0.15 + 0.15)
