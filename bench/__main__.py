@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("init-cost", help="start-up cost of lins.init eager against per_module, on the CPU")
     c.add_argument("--model", default="7b", help="comma-separated built-in LLaMA names")
     c.set_defaults(func=lambda a: __import__("bench.init_cost", fromlist=["main"]).main(a))
+    o = sub.add_parser("overlap", help="what a copy kernel beside the training step costs it (one GPU; a stand-in "
+                       "for the communication Lins overlaps)")
+    __import__("bench.overlap", fromlist=["add_arguments"]).add_arguments(o)
+    o.set_defaults(func=lambda a: __import__("bench.overlap", fromlist=["main"]).main(a))
     sh = sub.add_parser("shapes", help="the shape compute model held to one-GPU runs of shapes it was not fitted on")
     sh.set_defaults(func=lambda a: __import__("bench.shapes", fromlist=["main"]).main(a))
     __import__("bench.shapes", fromlist=["add_arguments"]).add_arguments(sh)

@@ -74,3 +74,18 @@ def test_ds_set_writes_a_dotted_key_of_the_deepspeed_config():
     with pytest.raises(SystemExit, match="not a section"):
         ds_config_for(parse_args(["--deepspeed_config", "ds_configs/zero3_offload_ratio.json",
                                   "--ds-set", "bf16.enabled.x=1"]))
+
+
+def test_the_overlap_probe_says_what_share_of_a_side_kernel_the_step_pays(capsys):
+    """``python -m bench overlap`` (one GPU): 0 where the side kernel hides behind the step, 1 where the two run one
+    after the other; on a machine without a GPU it says it needs one instead of timing nothing."""
+    from bench.__main__ import main
+    from bench.overlap import paid_share
+
+    assert paid_share(0.1, 0.04, 0.1) == 0.0 and paid_share(0.1, 0.04, 0.14) == pytest.approx(1.0)
+    assert paid_share(0.1, 0.04, 0.12) == pytest.approx(0.5)
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            main(["overlap", "--model", "tiny"])
