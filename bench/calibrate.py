@@ -15,10 +15,10 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
                                              measure it) and the bytes each fetch waits for. Shared by the
                                              ZeRO-3 family (ZeRO-3, ZeRO++ and MiCS run the same code); 0
                                              fetches for the others
-         + overlap_factor[system] * overlapped   the communication the system overlaps with compute (Lins'
-                                             executor; DeepSpeed's is all taken as exposed): what of it the
-                                             step still pays, the overlapped kernels slowing each other or
-                                             the overlap falling short
+         + overlap_factor[system] * overlapped   the boundary AllReduce and P-sync that Lins' executor hides
+                                             behind the last backward and the next forward (DeepSpeed's
+                                             communication is all taken as exposed): what of it the step
+                                             still pays (``simulate.boundary_overlap``)
 
 With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor, and each
 system adds ``per_step``, ``per_layer_step`` times the model's layers (host work once a step, whatever the
@@ -228,7 +228,7 @@ def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool
         cols[f"boundary:{run.system}"] = terms.model_layers * terms.host_scale
     if not terms.fetches or bound is not True:
         cols[f"comm:{run.system}"] = terms.exposed_s
-    if terms.overlapped_s > 0:  # what the overlapped communication still costs the step
+    if terms.overlapped_s > 0:  # what the overlapped boundary AllReduce and P-sync still cost the step
         cols[f"overlap:{run.system}"] = terms.overlapped_s
     if terms.fetches and bound is not False:
         cols["fetch"] = terms.fetches * terms.host_scale
@@ -470,11 +470,12 @@ def terms_text(overheads: Overheads) -> str:
     defaulted = False
     for s, fitted in overheads.systems.items():
         t = overheads.terms(s)
-        own = ("comm_factor", "update_factor") + (("per_fetch_s", "per_fetch_byte_s") if s in FETCH_SYSTEMS else ())
+        own = (("comm_factor", "update_factor") + (("per_fetch_s", "per_fetch_byte_s") if s in FETCH_SYSTEMS else ())
+               + (("overlap_factor",) if s == "lins" else ()))
         mark = {k: "*" if k in own and k not in fitted else " " for k in t}
         defaulted |= "*" in mark.values()
-        out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['overlap_factor']:>8.3f}"
-                   f"{t['update_factor']:>13.3f}"
+        out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['overlap_factor']:>7.3f}"
+                   f"{mark['overlap_factor']}{t['update_factor']:>13.3f}"
                    f"{mark['update_factor']}{1e3 * t['per_fetch_s']:>12.3f}{mark['per_fetch_s']}"
                    + (f"{1e-9 / t['per_fetch_byte_s']:>10.0f}" if t["per_fetch_byte_s"] else f"{'-':>10}")
                    + mark["per_fetch_byte_s"]

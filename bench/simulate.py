@@ -66,7 +66,8 @@ class SimResult:
     checkpointing: bool
     layout: dict
     fits: bool = True
-    update_s: float = 0.0  # the optimizer update (exposed_comm_s holds communication and per-fetch costs)
+    update_s: float = 0.0  # the optimizer update (exposed_comm_s holds the rest: communication, per-fetch and host
+    # costs, and what the overlapped boundary AllReduce and P-sync still cost)
     checkpoint_units: int = 0  # layer units under activation checkpointing (Lins chooses how many)
 
     def to_json(self) -> dict:
@@ -123,9 +124,10 @@ class Overheads:
     """Per-system costs the byte model leaves out, fitted from GPU runs of each system (``bench/calibrate.py``):
     ``comm_factor`` scales the modelled exposed communication (what the system's bucketing and scheduling make
     of the profiled collective times), ``update_factor`` the modelled optimizer update (bytes at full memory
-    bandwidth; the real update makes extra copies and launches), ``overlap_factor`` the share of the communication
-    the system overlaps with compute (Lins' executor: ``cost.exposed_seconds``) that its step still pays (the
-    overlapped kernels slow each other, or the overlap falls short), ``per_fetch_s`` is the cost of one module fetch
+    bandwidth; the real update makes extra copies and launches), ``overlap_factor`` the share of the time of the
+    boundary AllReduce and P-sync that Lins' executor overlaps with the last backward and the next forward
+    (``boundary_overlap``) that its step still pays (the overlapped kernels slowing each other, or the overlap
+    falling short: the runs do not tell which), ``per_fetch_s`` is the cost of one module fetch
     of the ZeRO-3 family (its hooks and launches, forward and backward) on a host of ``host_s_per_module``, and
     ``per_fetch_byte_s`` its cost per byte it assembles (a fetch waits for its own gather). ``compute`` holds the
     fitted compute efficiency per model name."""
@@ -200,11 +202,7 @@ class StepTerms:
     layer_fwd_s: float = 0.0  # the kernels of one layer's forward pass (compute_s's rate; 0 without the shape model)
     layer_bwd_s: float = 0.0  # and of its backward pass
     model_layers: int = 0  # the model's layers, for the host's work per layer once a step (0 without the shape model)
-
-    @property
-    def overlapped_s(self) -> float:
-        """The modelled communication that overlaps compute (0 for DeepSpeed's, all taken as exposed)."""
-        return max(0.0, self.comm_s - self.exposed_s)
+    overlapped_s: float = 0.0  # the boundary AllReduce and P-sync hidden behind compute (``boundary_overlap``)
 
     def host_passes(self, per_layer_s: float) -> tuple:
         """(passes, their kernels' seconds): the layer passes whose host work (launches, hooks: ``per_layer_s``
@@ -226,8 +224,8 @@ class StepTerms:
         return fetch > link
 
     def step(self, ov: dict) -> float:
-        """Compute + update + the slower of the link and the fetches + what the overlapped communication still
-        costs (``overlap_factor``) + what the host adds: a DeepSpeed fetch
+        """Compute + update + the slower of the link and the fetches + what the overlapped boundary AllReduce and
+        P-sync still cost (``overlap_factor``) + what the host adds: a DeepSpeed fetch
         waits for its gather, and its hooks run while the prefetched gathers are in flight, so on a fast link
         (NVLink) the fetches' CPU cost is what is left exposed and on a slow one (sockets, a network) the
         transfers. A layer pass takes the longer of its kernels and the host's work to launch them and run its
@@ -249,6 +247,7 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
     total = sum(c.total_s for c in colls)
     exposed = (cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, overlap_param_sync)
                if system == "lins" else total)
+    overlapped = boundary_overlap(colls, fwd, bwd, overlap_param_sync) if system == "lins" else 0.0
     n = fetches(system, model, train)
     # a group of one rank gathers nothing: ZeRO-3's fetch then only points the module at its own copy
     # (partition_parameters._no_gather_coalesced), MiCS's gathers on a one-rank group (a local copy at memory
@@ -258,7 +257,17 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
                      n, 2.0 * train.grad_accum * model.total_params() * train.param_bytes if n and gathers else 0.0,
                      layers=train.grad_accum * model.num_layers,
                      recomputes=train.grad_accum * min(ckpt_units, model.num_layers), layer_fwd_s=layer_fwd,
-                     layer_bwd_s=layer_bwd, model_layers=model.num_layers if compute.table is not None else 0)
+                     layer_bwd_s=layer_bwd, model_layers=model.num_layers if compute.table is not None else 0,
+                     overlapped_s=overlapped)
+
+
+def boundary_overlap(colls, forward_s: float, backward_s: float, overlap_param_sync: bool) -> float:
+    """The part of the boundary AllReduce and the P-sync that Lins' executor hides behind the last backward and the
+    next forward (``cost.exposed_seconds`` leaves the rest exposed): what ``overlap_factor`` prices, fitted on 2-GPU
+    runs whose plans (P and G whole) have no other communication. The gathers and ReduceScatters a sharded plan
+    overlaps within each pass are left out: no run measured them. ``forward_s`` / ``backward_s``: one micro-batch."""
+    ph = cost.per_phase(list(colls))
+    return min(ph["boundary"], backward_s) + (min(ph["param_sync"], forward_s) if overlap_param_sync else 0.0)
 
 
 def layer_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec) -> tuple:

@@ -89,3 +89,19 @@ def test_the_overlap_probe_says_what_share_of_a_side_kernel_the_step_pays(capsys
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             main(["overlap", "--model", "tiny"])
+
+
+@pytest.mark.gpu
+def test_the_overlap_probe_times_each_stand_in_beside_the_backward(tmp_path):
+    """On a GPU: every stand-in gets a row with its own time, the step's alone and with it, and the share paid."""
+    import torch
+
+    from bench.__main__ import main
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "overlap.json"
+    assert main(["overlap", "--model", "tiny", "--seq-len", "512", "--repeats", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[-1]["side"] == "Tensor.copy_" and all(r["side_s"] > 0 and r["step_s"] > 0 for r in rows)
+    assert all(-0.5 < r["paid_share"] < 2.0 for r in rows)

@@ -163,7 +163,24 @@ def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
     once = dict(ov, per_layer_step_s=1e-3)
     assert replace(big, model_layers=4).step(once) == pytest.approx(1.0 + 5e-3 + 4e-3)
     assert replace(slow, model_layers=4).step(once) == pytest.approx(slow.step(ov) + 2 * 4e-3)
-    # communication overlapped with compute costs the step its overlap factor's share; exposed, its comm factor's
-    both = StepTerms(1.0, 0.0, 0.1, 0.4, 0)
-    assert both.overlapped_s == pytest.approx(0.3)
+    # the overlapped boundary AllReduce and P-sync cost the step the overlap factor's share; exposed, the comm factor's
+    both = StepTerms(1.0, 0.0, 0.1, 0.4, 0, overlapped_s=0.3)
     assert both.step(dict(DEFAULT_TERMS, comm_factor=1.5, overlap_factor=0.5)) == pytest.approx(1.0 + 0.15 + 0.15)
+
+
+def test_the_overlap_priced_is_the_boundary_allreduce_and_p_sync_only():
+    """``overlap_factor`` was fitted on plans with P and G whole: it prices what the executor hides of the boundary
+    AllReduce (behind the last backward) and of the P-sync (behind the next forward, when it overlaps), not the
+    gathers and ReduceScatters a sharded plan hides within each pass."""
+    from lins_ds.plan import Factor
+    from lins_ds.plan.cost import Collective
+
+    from bench.simulate import boundary_overlap
+
+    def coll(phase, seconds):
+        return Collective("g", phase, "all_reduce", "world", Factor(2, 1), 1, 1, seconds)
+
+    colls = [coll("forward", 0.5), coll("backward", 0.5), coll("boundary", 0.3), coll("param_sync", 0.2)]
+    assert boundary_overlap(colls, 0.1, 0.2, True) == pytest.approx(0.2 + 0.1)  # each up to the compute behind it
+    assert boundary_overlap(colls, 0.1, 0.2, False) == pytest.approx(0.2)  # a P-sync not overlapped is exposed
+    assert boundary_overlap(colls, 1.0, 1.0, True) == pytest.approx(0.3 + 0.2)
