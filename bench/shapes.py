@@ -241,9 +241,9 @@ def read_clocks(folder: str) -> list:
 def clock_lines(dirs: list, warmup: int = 4) -> list:
     """Per run with a clock log beside it: the spread of its timed steps next to the GPU's SM clock and throttle
     reasons sampled within them (the steps after the run's own ``warmup_steps``; ``warmup`` for results older than
-    that field). On the lent H200s every run whose clock fell below 1860 MHz (under the power cap: its kernels keep
-    the GPU busy) repeated within 7 %; most of those whose clock stayed near its 1980 MHz maximum, waiting for the
-    host, moved by 10-164 %."""
+    that field). On the lent H200s (calls 6-13) every run whose clock fell below 1860 MHz (under the power cap: its
+    kernels keep the GPU busy) repeated within 8 %; most of those whose clock stayed near its 1980 MHz maximum,
+    waiting for the host, moved by 10-198 %."""
     lines = []
     for d in dirs:
         clocks = read_clocks(d)
