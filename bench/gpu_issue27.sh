@@ -15,6 +15,8 @@
 # put before torchrun; GRID=9's default "taskset -c 2-5"): does a step that waits for the host repeat when pinned?
 # GRID=10-13 (STEPS=20 WARMUP=4): every shape a third time under both systems, on one more machine (GRID=12 and 13
 # ran once with MODES=zero1 and once, on another machine, with MODES=lins).
+# GRID=14 (STEPS=12 WARMUP=4): host-bound probes, by phase (--breakdown): sequence 128, with and without
+# checkpointing, at widths 1024, 1536 and 4096; then h1536 x 24 at seq 2048 mb 2 with and without.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -45,6 +47,12 @@ declare -A SPEC=(  # base name: model, sequence, micro-batch [--checkpointing]
   [n8]="shape-h1024-l8 8192 2" [n9]="shape-h2048-l16-kv4 2048 4 --checkpointing" [n10]="shape-h3072-l6 8192 1"
   [n11]="shape-h4096-l10 1024 2" [n12]="shape-h2560-l16 4096 1" [n13]="shape-h1536-l24 2048 2 --checkpointing"
   [n14]="shape-h4096-l8-kv8 4096 2 --checkpointing"
+  # host-bound probes (GRID=14): at sequence 128 the kernels are too short to hide the host, so a step is the host's
+  # work; with and without every layer checkpointed, forward, backward and step timed apart (--breakdown)
+  [hb1]="shape-h1536-l24 128 1 --breakdown" [hb1c]="shape-h1536-l24 128 1 --checkpointing --breakdown"
+  [hb2]="shape-h1024-l16 128 1 --breakdown" [hb2c]="shape-h1024-l16 128 1 --checkpointing --breakdown"
+  [hb3]="llama-7b-width-8-layers 128 1 --breakdown" [hb3c]="llama-7b-width-8-layers 128 1 --checkpointing --breakdown"
+  [n13k]="shape-h1536-l24 2048 2 --checkpointing --breakdown" [n13n]="shape-h1536-l24 2048 2 --breakdown"
 )
 case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   1) RUNS="ref:ref s2:s2 s3:s3 s4:s4 s5:s5 s6:s6 s7:s7 s8:s8 s9:s9 ref2:ref" ;;
@@ -64,7 +72,10 @@ case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   11) RUNS="ref14:ref s8t:s8 s9t:s9 n1t:n1 n2t:n2 n3t:n3 n4t:n4" ;;
   12) RUNS="ref15:ref n5t:n5 n6t:n6 n7t:n7 n8t:n8 n9t:n9" ;;
   13) RUNS="ref16:ref n10t:n10 n11t:n11 n12t:n12 n13t:n13 n14t:n14" ;;
-  *) echo "GRID=${GRID}: 1 to 13" >&2; exit 2 ;;
+  # what a layer pass costs the host, checkpointed or not, by width; then the shape both systems miss (h1536 x 24
+  # ckpt) and the same without checkpointing, by phase (STEPS=12 WARMUP=4)
+  14) RUNS="hb1:hb1 hb1c:hb1c hb2:hb2 hb2c:hb2c hb3:hb3 hb3c:hb3c n13k:n13k n13n:n13n" ;;
+  *) echo "GRID=${GRID}: 1 to 14" >&2; exit 2 ;;
 esac
 # The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
 nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
