@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "for the communication Lins overlaps)")
     __import__("bench.overlap", fromlist=["add_arguments"]).add_arguments(o)
     o.set_defaults(func=lambda a: __import__("bench.overlap", fromlist=["main"]).main(a))
+    hp = sub.add_parser("host-probe", help="what a layer pass and a checkpointed one cost the host, measured on "
+                        "host-bound steps, next to the simulator's fitted terms")
+    __import__("bench.host_probe", fromlist=["add_arguments"]).add_arguments(hp)
+    hp.set_defaults(func=lambda a: __import__("bench.host_probe", fromlist=["main"]).main(a))
     sh = sub.add_parser("shapes", help="the shape compute model held to one-GPU runs of shapes it was not fitted on")
     sh.set_defaults(func=lambda a: __import__("bench.shapes", fromlist=["main"]).main(a))
     __import__("bench.shapes", fromlist=["add_arguments"]).add_arguments(sh)

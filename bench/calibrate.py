@@ -23,7 +23,8 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
 With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor, and each
 system adds ``per_step``, ``per_layer_step`` times the model's layers (host work once a step, whatever the
 micro-batches) and, for the layer passes whose kernels are shorter than it, ``per_layer`` in their place
-(``simulate.StepTerms.step``); which passes those are is fitted as the branch below, from 2 ms a pass.
+(``simulate.StepTerms.step``); which passes those are is fitted as the branch below, from 2 ms a pass. A
+checkpointed layer's forward and recompute add ``per_ckpt_pass`` to that host work, one term for every system.
 
 The maximum is fitted by its active branch: each ZeRO-3-family run's regressor is the branch that is slower
 under the previous round's terms (the first round sums both), repeated until no run changes branch. Tried
@@ -212,20 +213,22 @@ def compute_key(run: Run, compute: ComputeSpec) -> str:
 
 
 def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool], key: str,
-             per_layer_s: float = HOST_PER_LAYER_PASS_S) -> dict:
+             per_layer_s: float = HOST_PER_LAYER_PASS_S, per_ckpt_pass_s: float = 0.0) -> dict:
     """The run's regressors: what each fitted coefficient multiplies. ``bound``: whether the run's fetches,
     not its link, set the pace (None: not yet known, both count). With the shape model (``key`` "shape") each
     system also has a host cost per step, one per layer once a step (e.g. DeepSpeed's stage 1 reduces
     gradients parameter by parameter at the boundary only: gas 2 runs tell it from the per-pass cost), and one per layer
     pass, which only the passes that wait for the host at ``per_layer_s`` (the previous round's) pay, in their
-    kernels' place."""
-    passes, kernels = terms.host_passes(per_layer_s) if key == "shape" else (0, 0.0)
+    kernels' place; of those, a checkpointed layer's forward and recompute pay one more cost each (``ckpt``,
+    shared: the checkpoint is PyTorch's, whichever system runs it) and wait at ``per_layer_s + per_ckpt_pass_s``."""
+    passes, kernels, checkpointed = terms.host_passes(per_layer_s, per_ckpt_pass_s) if key == "shape" else (0, 0.0, 0)
     cols = {f"compute:{key}": (terms.compute_s - kernels) * efficiency,  # at peak / as measured: coefficient 1/eff.
             "update": terms.update_s}
     if key == "shape":
         cols[f"layer:{run.system}"] = passes * terms.host_scale
         cols[f"step:{run.system}"] = terms.host_scale
         cols[f"boundary:{run.system}"] = terms.model_layers * terms.host_scale
+        cols["ckpt"] = checkpointed * terms.host_scale
     if not terms.fetches or bound is not True:
         cols[f"comm:{run.system}"] = terms.exposed_s
     if terms.overlapped_s > 0:  # what the overlapped boundary AllReduce and P-sync still cost the step
@@ -280,12 +283,12 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
     keys = [compute_key(r, compute) for r in runs]
     eff = {k: 1.0 if k == "shape" else compute.achievable_mfu for k in keys}
     host = Overheads({}, host_s_per_module=host_s or reference_host(runs))
-    bound, layer_s, seen, fits = [None] * len(runs), {}, [], []
+    bound, layer_s, ckpt_s, seen, fits = [None] * len(runs), {}, 0.0, [], []
     table = compute.table.to_json() if compute.table is not None else None
     for _ in range(rounds):
         terms = [terms_of(r, tables, compute.at(eff[k]), host.host_scale(host_of(r, tables)))[0]
                  for r, k in zip(runs, keys)]
-        cols = [_columns(r, t, eff[k], b and b[0], k, layer_s.get(r.system, HOST_PER_LAYER_PASS_S))
+        cols = [_columns(r, t, eff[k], b and b[0], k, layer_s.get(r.system, HOST_PER_LAYER_PASS_S), ckpt_s)
                 for r, t, b, k in zip(runs, terms, bound, keys)]
         names = sorted({n for c in cols for n, v in c.items() if v > 0})
         a = np.array([[c.get(n, 0.0) / r.step_s for n in names] for r, c in zip(runs, cols)])
@@ -296,14 +299,15 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
         new = {m: 1.0 / coef[f"compute:{m}"] for m in eff}
         ov = _overheads(coef, new, source, cluster, host.host_s_per_module, table)
         new_bound = [(t.fetch_bound(ov.terms(r.system)) if t.fetches else None,
-                      t.host_passes(ov.terms(r.system)["per_layer_s"])[0] if k == "shape" else None)
+                      t.host_passes(ov.terms(r.system)["per_layer_s"], ov.terms(r.system)["per_ckpt_pass_s"])[::2]
+                      if k == "shape" else None)
                      for r, t, k in zip(runs, terms, keys)]
         settled = max(abs(new[m] - eff[m]) for m in eff) < 1e-4 and new_bound == bound
         cycle = new_bound != bound and new_bound in seen  # back to an earlier round's sides: a cycle
         eff, bound = new, new_bound
         seen.append(new_bound)
         fits.append(ov)
-        layer_s = {s: ov.terms(s)["per_layer_s"] for s in ov.systems}
+        layer_s, ckpt_s = {s: ov.terms(s)["per_layer_s"] for s in ov.systems}, ov.terms("lins")["per_ckpt_pass_s"]
         if settled:
             break
         if cycle:  # each round's terms were fitted to the sides the one before chose: keep the cycle's best
@@ -340,7 +344,7 @@ def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: 
                  "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None,
                  "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None,
                  "per_layer_s": coef.get(f"layer:{s}"), "per_step_s": coef.get(f"step:{s}"),
-                 "per_layer_step_s": coef.get(f"boundary:{s}")}
+                 "per_layer_step_s": coef.get(f"boundary:{s}"), "per_ckpt_pass_s": coef.get("ckpt")}
         out[s] = {t: float(v) for t, v in terms.items() if v is not None}
     return Overheads(out, {m: float(e) for m, e in efficiency.items()}, source, cluster, host_s, compute_table)
 
@@ -467,6 +471,9 @@ def terms_text(overheads: Overheads) -> str:
                                              "run's own)" if host else "unmeasured speed (no run measured its host)"),
            f"{'system':<8}{'comm_factor':>12}{'overlap':>8}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"
            + (f"{'per_layer_ms':>13}{'per_step_ms':>12}{'layer_step_ms':>14}" if shape else "")]
+    if shape:
+        out.insert(2, f"checkpointed layer: its forward and its recompute each cost the host "
+                      f"{1e3 * overheads.terms('lins')['per_ckpt_pass_s']:.3f} ms more, every system (at that host)")
     defaulted = False
     for s, fitted in overheads.systems.items():
         t = overheads.terms(s)

@@ -129,8 +129,10 @@ class Overheads:
     (``boundary_overlap``) that its step still pays (the overlapped kernels slowing each other, or the overlap
     falling short: the runs do not tell which), ``per_fetch_s`` is the cost of one module fetch
     of the ZeRO-3 family (its hooks and launches, forward and backward) on a host of ``host_s_per_module``, and
-    ``per_fetch_byte_s`` its cost per byte it assembles (a fetch waits for its own gather). ``compute`` holds the
-    fitted compute efficiency per model name."""
+    ``per_fetch_byte_s`` its cost per byte it assembles (a fetch waits for its own gather). With the shape model,
+    the host's work: ``per_layer_s`` a layer pass, ``per_ckpt_pass_s`` more for a checkpointed layer's forward and
+    recompute, ``per_layer_step_s`` a layer once a step, ``per_step_s`` a step (``StepTerms.step``). ``compute``
+    holds the fitted compute efficiency per model name."""
 
     systems: dict  # system -> {"comm_factor", "update_factor", "per_fetch_s", "per_fetch_byte_s"}
     compute: dict = field(default_factory=dict)  # model name -> achievable fraction of peak
@@ -175,7 +177,8 @@ class Overheads:
 
 
 DEFAULT_TERMS = {"comm_factor": 1.0, "overlap_factor": 0.0, "update_factor": 1.0, "per_fetch_s": 0.0,
-                 "per_fetch_byte_s": 0.0, "per_layer_s": 0.0, "per_step_s": 0.0, "per_layer_step_s": 0.0}
+                 "per_fetch_byte_s": 0.0, "per_layer_s": 0.0, "per_step_s": 0.0, "per_layer_step_s": 0.0,
+                 "per_ckpt_pass_s": 0.0}
 NO_OVERHEADS = Overheads({}, {}, "none")
 
 
@@ -204,13 +207,18 @@ class StepTerms:
     model_layers: int = 0  # the model's layers, for the host's work per layer once a step (0 without the shape model)
     overlapped_s: float = 0.0  # the boundary AllReduce and P-sync hidden behind compute (``boundary_overlap``)
 
-    def host_passes(self, per_layer_s: float) -> tuple:
-        """(passes, their kernels' seconds): the layer passes whose host work (launches, hooks: ``per_layer_s``
-        at this host's speed) outlasts their kernels, so that the GPU waits for the host (see ``step``)."""
-        host = per_layer_s * self.host_scale
-        fwd, bwd = host > self.layer_fwd_s, host > self.layer_bwd_s
-        return (fwd * (self.layers + self.recomputes) + bwd * self.layers,
-                fwd * (self.layers + self.recomputes) * self.layer_fwd_s + bwd * self.layers * self.layer_bwd_s)
+    def host_passes(self, per_layer_s: float, per_ckpt_pass_s: float = 0.0) -> tuple:
+        """(passes, their kernels' seconds, checkpointed passes among them): the layer passes whose host work
+        (launches, hooks: ``per_layer_s`` at this host's speed) outlasts their kernels, so that the GPU waits for the
+        host (see ``step``). A checkpointed layer's forward and its recompute each cost the host ``per_ckpt_pass_s``
+        more (the checkpoint's saved-tensor hooks and RNG state in the first, the recompute's set-up inside the
+        backward in the second: ``bench/results/simulate/shapes/call17``)."""
+        host, ckpt = per_layer_s * self.host_scale, (per_layer_s + per_ckpt_pass_s) * self.host_scale
+        fwd, ck, bwd = host > self.layer_fwd_s, ckpt > self.layer_fwd_s, host > self.layer_bwd_s
+        plain, checkpointed = self.layers - self.recomputes, 2 * self.recomputes  # forwards, and ckpt fwd + recompute
+        return (fwd * plain + ck * checkpointed + bwd * self.layers,
+                (fwd * plain + ck * checkpointed) * self.layer_fwd_s + bwd * self.layers * self.layer_bwd_s,
+                ck * checkpointed)
 
     def waits(self, ov: dict) -> tuple:
         """(link, fetch): the exposed communication, and the fetches' own cost under ``ov``: their hooks and
@@ -229,11 +237,13 @@ class StepTerms:
         waits for its gather, and its hooks run while the prefetched gathers are in flight, so on a fast link
         (NVLink) the fetches' CPU cost is what is left exposed and on a slow one (sockets, a network) the
         transfers. A layer pass takes the longer of its kernels and the host's work to launch them and run its
-        hooks (small layers wait for the host: ``host_passes``); each step has a fixed host cost too, and one per
+        hooks (small layers wait for the host: ``host_passes``; a checkpointed layer's two forwards cost it more);
+        each step has a fixed host cost too, and one per
         layer once a step (``per_layer_step_s``; e.g. DeepSpeed's stage 1 reduces each parameter's gradient, bucket
         by bucket, only in the last micro-batch's backward: ``reduce_ready_partitions_and_remove_grads``)."""
-        passes, kernels = self.host_passes(ov["per_layer_s"])
-        host = ov["per_layer_s"] * passes + ov["per_step_s"] + ov["per_layer_step_s"] * self.model_layers
+        passes, kernels, checkpointed = self.host_passes(ov["per_layer_s"], ov["per_ckpt_pass_s"])
+        host = (ov["per_layer_s"] * passes + ov["per_ckpt_pass_s"] * checkpointed + ov["per_step_s"]
+                + ov["per_layer_step_s"] * self.model_layers)
         return (self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
                 + ov["overlap_factor"] * self.overlapped_s + host * self.host_scale - kernels)
 

@@ -105,3 +105,24 @@ def test_the_overlap_probe_times_each_stand_in_beside_the_backward(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert rows[-1]["side"] == "Tensor.copy_" and all(r["side_s"] > 0 and r["step_s"] > 0 for r in rows)
     assert all(-0.5 < r["paid_share"] < 2.0 for r in rows)
+
+
+def test_the_host_probe_prices_each_host_bound_run_at_the_host_it_ran_on(capsys):
+    """``python -m bench host-probe`` (call17: steps the host sets, never fitted): every run predicted at that
+    machine's host speed, and one checkpointed layer's extra host time measured next to the simulator's; a
+    calibration without the shape model's host terms is refused by name."""
+    import os
+
+    from bench.__main__ import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = os.path.join(root, "bench/results/simulate/shapes/call17")
+    shape = os.path.join(root, "bench/results/simulate/calibrated_shape/profile_1host.json")
+    assert main(["host-probe", probe, "--profile", shape]) == 0
+    out = capsys.readouterr().out
+    assert "1.53x the calibration's" in out and out.count(" ckpt 24 lins ") == 2  # seq 128 and seq 2048
+    line = [x for x in out.splitlines() if x.strip().startswith("shape-h1536-l24 s128 mb1 lins:")][0]
+    assert "measured step +4.46 (forward +1.08, backward +3.44), predicted step +4.40" in line
+    per_model = os.path.join(root, "bench/results/simulate/calibrated/profile_1host.json")
+    assert main(["host-probe", probe, "--profile", per_model]) != 0
+    assert f"{per_model}: no shape-model terms with a measured host" in capsys.readouterr().err

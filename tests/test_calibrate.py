@@ -2,6 +2,7 @@
 Python on synthetic bench results whose steps come from known terms."""
 
 import json
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +22,7 @@ TRUE = Overheads({"zero0": {"comm_factor": 1.2, "update_factor": 3.0},
                   "lins": {"comm_factor": 1.15, "update_factor": 3.0}},
                  {"llama-1b": 0.3, "llama-7b": 0.45}, "synthetic")
 CLUSTER = get_cluster("h200-emulated")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPOLOGIES = {"host": Topology(1, 2), "emulated": Topology(2, 1)}
 
 
@@ -333,6 +335,30 @@ def test_the_shape_model_fits_one_factor_for_every_model_and_prices_a_model_it_n
     unseen = C.load_runs(os.path.join(root, "bench/results/tune/final/cache/tune-runs.jsonl"))
     errors = [C.predict(r, tables, CLUSTER.compute(), ov)[0] / r.step_s - 1 for r in unseen]
     assert all(abs(e) < 0.25 for e in errors), errors
+
+
+def test_what_a_checkpointed_layer_costs_the_host_is_told_from_a_plain_pass():
+    """A checkpointed layer's forward and recompute each cost the host more than a plain pass (the checkpoint's
+    hooks; bench/results/simulate/shapes/call17 measured it): the grid's host-bound shapes, with and without
+    checkpointing, tell that cost from each system's per-pass one, and the wide shapes from the compute factor."""
+    from lins_ds.plan.compute_model import ComputeTable
+
+    shapes = os.path.join(ROOT, "bench/results/simulate/shapes")
+    runs = C.load_all([os.path.join(shapes, f"call{i}") for i in (1, 2, 3, 4)])
+    assert {r.ckpt_units > 0 for r in runs} == {True, False} and {r.system for r in runs} == {"zero1", "lins"}
+    table = ComputeTable.load(os.path.join(shapes, "call1/compute_h200.json"))
+    systems = {"zero1": {"update_factor": 3.0, "per_layer_s": 1.2e-3, "per_step_s": 0.01},
+               "lins": {"update_factor": 3.0, "per_layer_s": 1.5e-3, "per_step_s": 0.01}}
+    for t in systems.values():
+        t["per_ckpt_pass_s"] = 0.8e-3
+    truth = Overheads(systems, {"shape": 0.9}, "synthetic", compute_table=table.to_json())
+    tables = {"host": _tables()["host"]}
+    runs = [replace(r, step_s=C.predict(r, tables, CLUSTER.compute(), truth)[0]) for r in runs]
+    got = C.fit(runs, tables, replace(CLUSTER.compute(), table=table, achievable_mfu=1.0))
+    assert got.compute["shape"] == pytest.approx(0.9, rel=1e-3)
+    assert got.terms("zero1")["per_ckpt_pass_s"] == got.terms("lins")["per_ckpt_pass_s"] == pytest.approx(0.8e-3, rel=1e-3)
+    assert got.terms("lins")["per_layer_s"] == pytest.approx(1.5e-3, rel=1e-3)
+    assert "checkpointed layer: its forward and its recompute each cost the host 0.800 ms more" in C.terms_text(got)
 
 
 def test_a_host_cost_per_layer_once_a_step_is_told_from_one_per_micro_batch(tmp_path):

@@ -155,10 +155,18 @@ def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
     assert big.step(ov) == pytest.approx(1.0 + 5e-3)
     small = StepTerms(0.1, 0.0, 0.0, 0.0, 0, layers=4, recomputes=2, layer_fwd_s=1e-3, layer_bwd_s=3e-3)
     # the forwards (4 + 2 recomputed) wait for the host, the backwards do not
-    assert small.host_passes(2e-3) == (6, pytest.approx(6e-3))
+    assert small.host_passes(2e-3) == (6, pytest.approx(6e-3), 4)
     assert small.step(ov) == pytest.approx(0.1 - 6e-3 + 6 * 2e-3 + 5e-3)
     slow = replace(small, host_scale=2.0)
     assert slow.host_passes(2e-3)[0] == 10 and slow.step(ov) == pytest.approx(0.1 - 18e-3 + 10 * 4e-3 + 10e-3)
+    # a checkpointed layer's forward and its recompute each cost the host more: 2 layers x 2 passes here, and they
+    # wait at 2 + 1 ms, so a forward of 2.5 ms kernels waits when checkpointed and not otherwise
+    ck = dict(ov, per_ckpt_pass_s=1e-3)
+    assert small.step(ck) == pytest.approx(small.step(ov) + 4 * 1e-3)
+    mid = replace(small, layer_fwd_s=2.5e-3, layer_bwd_s=5e-3)
+    assert mid.host_passes(2e-3, 1e-3) == (4, pytest.approx(10e-3), 4)
+    assert mid.step(ck) == pytest.approx(0.1 - 10e-3 + 4 * 3e-3 + 5e-3)
+    assert mid.step(ov) == pytest.approx(0.1 + 5e-3)  # without the checkpoint's cost no pass waits
     # a host cost per layer once a step, whatever the micro-batches: 4 layers, on this host and on one twice as slow
     once = dict(ov, per_layer_step_s=1e-3)
     assert replace(big, model_layers=4).step(once) == pytest.approx(1.0 + 5e-3 + 4e-3)
