@@ -472,8 +472,11 @@ def terms_text(overheads: Overheads) -> str:
            f"{'system':<8}{'comm_factor':>12}{'overlap':>8}{'update_factor':>14}{'per_fetch_ms':>13}{'fetch_GB/s':>11}"
            + (f"{'per_layer_ms':>13}{'per_step_ms':>12}{'layer_step_ms':>14}" if shape else "")]
     if shape:
-        out.insert(2, f"checkpointed layer: its forward and its recompute each cost the host "
-                      f"{1e3 * overheads.terms('lins')['per_ckpt_pass_s']:.3f} ms more, every system (at that host)")
+        ckpt = overheads.systems.get("lins", {}).get("per_ckpt_pass_s")
+        out.insert(2, "checkpointed layer: " + (
+            f"its forward and its recompute each cost the host {1e3 * ckpt:.3f} ms more, every system (at that host)"
+            if ckpt is not None else "no host cost of its own (not fitted: no checkpointed pass of these runs waited "
+                                     "for the host, or a calibration from before the term)"))
     defaulted = False
     for s, fitted in overheads.systems.items():
         t = overheads.terms(s)

@@ -30,8 +30,14 @@ def _results(folder: str) -> dict:
     if not results or any("host_s_per_module" not in j for j in results):
         raise C.PlanError(f"{folder}: no bench/train.py results, or some without the host speed they ran at "
                           f"(host_s_per_module)")
-    runs = C.load_train_runs([folder])
-    return {(r.model, r.seq_len, r.micro_batch, r.ckpt_units, r.system): (r, j) for r, j in zip(runs, results)}
+    out = {}
+    for r, j in zip(C.load_train_runs([folder]), results):
+        key = (r.model, r.seq_len, r.micro_batch, r.ckpt_units, r.system)
+        if key in out:  # pairs are taken by shape: a repeat would be dropped unseen
+            raise C.PlanError(f"{folder}: {r.model} seq {r.seq_len} mb {r.micro_batch} ckpt {r.ckpt_units} under "
+                              f"{r.system} twice; host-probe takes one run of each (put repeats in another folder)")
+        out[key] = (r, j)
+    return out
 
 
 def probe(folder: str, profile: str) -> list:

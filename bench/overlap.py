@@ -1,7 +1,7 @@
 """What a kernel running beside the training step costs it, on one GPU (``python -m bench overlap``).
 
-The 2-GPU Lins runs are fitted with 0.88 of the time of the boundary AllReduce and P-sync the executor hides behind
-compute (``overlap_factor``, bench/results/simulate/shapes/README.md). If the overlap costs that much, two causes
+The 2-GPU Lins runs are fitted with 0.88-1.18 of the time of the boundary AllReduce and P-sync the executor hides
+behind compute (``overlap_factor``, bench/results/simulate/shapes/README.md). If the overlap costs that much, two causes
 would do it: the overlapped kernels slowing each other (NCCL's kernels hold SMs and move data through HBM beside the
 GEMMs), or the overlap falling short. One GPU cannot run NCCL between two ranks, but it can run a stand-in for the
 first: a copy kernel that holds a fixed number of SMs (NCCL runs one CTA per channel) on a side stream, launched

@@ -211,8 +211,8 @@ class StepTerms:
         """(passes, their kernels' seconds, checkpointed passes among them): the layer passes whose host work
         (launches, hooks: ``per_layer_s`` at this host's speed) outlasts their kernels, so that the GPU waits for the
         host (see ``step``). A checkpointed layer's forward and its recompute each cost the host ``per_ckpt_pass_s``
-        more (the checkpoint's saved-tensor hooks and RNG state in the first, the recompute's set-up inside the
-        backward in the second: ``bench/results/simulate/shapes/call17``)."""
+        more (measured on host-bound steps, ``bench/results/simulate/shapes/call17`` and ``call19``; presumably the
+        checkpoint's saved-tensor hooks in the first and the recompute's set-up inside the backward in the second)."""
         host, ckpt = per_layer_s * self.host_scale, (per_layer_s + per_ckpt_pass_s) * self.host_scale
         fwd, ck, bwd = host > self.layer_fwd_s, ckpt > self.layer_fwd_s, host > self.layer_bwd_s
         plain, checkpointed = self.layers - self.recomputes, 2 * self.recomputes  # forwards, and ckpt fwd + recompute

@@ -351,7 +351,9 @@ def test_what_a_checkpointed_layer_costs_the_host_is_told_from_a_plain_pass():
                "lins": {"update_factor": 3.0, "per_layer_s": 1.5e-3, "per_step_s": 0.01}}
     for t in systems.values():
         t["per_ckpt_pass_s"] = 0.8e-3
-    truth = Overheads(systems, {"shape": 0.9}, "synthetic", compute_table=table.to_json())
+    # hosts of two speeds: the host's costs scale with each run's own (the median, 250 us, is the fit's)
+    runs = [replace(r, host_s=2e-4 if i % 2 else 3e-4) for i, r in enumerate(runs)]
+    truth = Overheads(systems, {"shape": 0.9}, "synthetic", host_s_per_module=2.5e-4, compute_table=table.to_json())
     tables = {"host": _tables()["host"]}
     runs = [replace(r, step_s=C.predict(r, tables, CLUSTER.compute(), truth)[0]) for r in runs]
     got = C.fit(runs, tables, replace(CLUSTER.compute(), table=table, achievable_mfu=1.0))
@@ -359,6 +361,7 @@ def test_what_a_checkpointed_layer_costs_the_host_is_told_from_a_plain_pass():
     assert got.terms("zero1")["per_ckpt_pass_s"] == got.terms("lins")["per_ckpt_pass_s"] == pytest.approx(0.8e-3, rel=1e-3)
     assert got.terms("lins")["per_layer_s"] == pytest.approx(1.5e-3, rel=1e-3)
     assert "checkpointed layer: its forward and its recompute each cost the host 0.800 ms more" in C.terms_text(got)
+    assert "checkpointed layer: no host cost of its own (not fitted" in C.terms_text(replace(got, systems={}))
 
 
 def test_a_host_cost_per_layer_once_a_step_is_told_from_one_per_micro_batch(tmp_path):

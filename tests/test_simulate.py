@@ -154,7 +154,7 @@ def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
     big = StepTerms(1.0, 0.0, 0.0, 0.0, 0, layers=4, recomputes=4, layer_fwd_s=0.05, layer_bwd_s=0.1)
     assert big.step(ov) == pytest.approx(1.0 + 5e-3)
     small = StepTerms(0.1, 0.0, 0.0, 0.0, 0, layers=4, recomputes=2, layer_fwd_s=1e-3, layer_bwd_s=3e-3)
-    # the forwards (4 + 2 recomputed) wait for the host, the backwards do not
+    # the forwards (2 plain, 2 checkpointed, 2 recomputed) wait for the host, the backwards do not
     assert small.host_passes(2e-3) == (6, pytest.approx(6e-3), 4)
     assert small.step(ov) == pytest.approx(0.1 - 6e-3 + 6 * 2e-3 + 5e-3)
     slow = replace(small, host_scale=2.0)
@@ -167,6 +167,10 @@ def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
     assert mid.host_passes(2e-3, 1e-3) == (4, pytest.approx(10e-3), 4)
     assert mid.step(ck) == pytest.approx(0.1 - 10e-3 + 4 * 3e-3 + 5e-3)
     assert mid.step(ov) == pytest.approx(0.1 + 5e-3)  # without the checkpoint's cost no pass waits
+    # on a host twice as slow the checkpointed passes wait at 2 x (2 + 1) = 6 ms: a 5.5 ms forward waits only then
+    wide = replace(mid, layer_fwd_s=5.5e-3, layer_bwd_s=20e-3, host_scale=2.0)
+    assert wide.host_passes(2e-3, 1e-3) == (4, pytest.approx(22e-3), 4)
+    assert wide.step(ck) == pytest.approx(0.1 - 22e-3 + 2 * (4 * 3e-3 + 5e-3))
     # a host cost per layer once a step, whatever the micro-batches: 4 layers, on this host and on one twice as slow
     once = dict(ov, per_layer_step_s=1e-3)
     assert replace(big, model_layers=4).step(once) == pytest.approx(1.0 + 5e-3 + 4e-3)
