@@ -62,10 +62,9 @@ def probe(folder: str, profile: str) -> list:
         lines.append(f"{r.model} s{r.seq_len} mb{r.micro_batch} ckpt {r.ckpt_units} {r.system}".ljust(46)
                      + f"{1e3 * r.step_s:>12.1f}{1e3 * pred[key]:>10.1f}{100 * (pred[key] / r.step_s - 1):>+7.1f}%   "
                      + " / ".join(f"{1e3 * b[p]:.1f}" for p in ("forward", "backward", "step") if p in b))
-    terms = ov.terms("lins")
+    ckpt_ms = 1e3 * ov.terms("lins")["per_ckpt_pass_s"] * scale  # shared by every system
     lines.append(f"one checkpointed layer's extra host time, ms (the simulator, where every pass waits for the host: "
-                 f"forward +{1e3 * terms['per_ckpt_pass_s'] * scale:.2f}, backward + per_layer_s x {scale:.2f} + "
-                 f"{1e3 * terms['per_ckpt_pass_s'] * scale:.2f})")
+                 f"forward +{ckpt_ms:.2f}, backward + per_layer_s x {scale:.2f} + {ckpt_ms:.2f})")
     for key, (r, j) in sorted(runs.items()):
         model, seq, mb, n, system = key
         plain = runs.get((model, seq, mb, 0, system))
