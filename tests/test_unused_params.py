@@ -260,10 +260,16 @@ def scenario_holds(name, hits) -> bool:
 SETTINGS = [(1, 0.0), (3, 1.0), (1, 1.0), (3, 0.0)]  # (gradient accumulation steps, gradient clipping)
 
 
+# fp32 round-off between DDP's AllReduce and a sharded plan's ReduceScatter + AllGather: up to 1.2e-6 (10 ulp of a
+# weight near 1) on an AVX-512 machine, within 1e-6 on earlier ones; the bug these tests guard moved weights by
+# 7e-2 (bench/results/unused_params)
+FP32_TOL = 1e-5
+
+
 def check_fp32(results):
     for name, plan, gas, clip, loss_err, weight_err, scenario in results:
         assert scenario, (name, gas, clip)
-        assert loss_err <= 1e-6 and weight_err <= 1e-6, (name, plan, gas, clip, loss_err, weight_err)
+        assert loss_err <= FP32_TOL and weight_err <= FP32_TOL, (name, plan, gas, clip, loss_err, weight_err)
 
 
 def test_two_ranks_match_ddp_under_every_plan():
