@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("shapes", help="the shape compute model held to one-GPU runs of shapes it was not fitted on")
     sh.set_defaults(func=lambda a: __import__("bench.shapes", fromlist=["main"]).main(a))
     __import__("bench.shapes", fromlist=["add_arguments"]).add_arguments(sh)
+    ls = sub.add_parser("layer-split", help="one decoder layer of every measured shape timed and split by kernel "
+                        "kind (GPU), next to the shape compute model's price (--analyse, CPU)")
+    __import__("bench.layer_split", fromlist=["add_arguments"]).add_arguments(ls)
+    ls.set_defaults(func=lambda a: __import__("bench.layer_split", fromlist=["main"]).main(a))
     u = sub.add_parser("unused-params", help="parameters used on some ranks only: DDP, Lins and DeepSpeed (CPU)")
     u.add_argument("--out", help="where the JSON goes (default bench/results/unused_params)")
     u.set_defaults(func=_unused_params)

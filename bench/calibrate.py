@@ -20,11 +20,15 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
                                              communication is all taken as exposed): what of it the step
                                              still pays (``simulate.boundary_overlap``)
 
-With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor, and each
-system adds ``per_step``, ``per_layer_step`` times the model's layers (host work once a step, whatever the
-micro-batches) and, for the layer passes whose kernels are shorter than it, ``per_layer`` in their place
-(``simulate.StepTerms.step``); which passes those are is fitted as the branch below, from 2 ms a pass. A
-checkpointed layer's forward and recompute add ``per_ckpt_pass`` to that host work, one term for every system.
+With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor: the one
+the table measured (its timed layers over their price, ``compute_model.in_training_factor``), held, where the table
+timed layers; else fitted. Each system adds ``per_step``, and, for the layer passes whose kernels are shorter than
+it, ``per_layer`` in their place (``simulate.StepTerms.step``); which passes those are is fitted as the branch
+below, from 2 ms a pass. The last micro-batch's backward of each layer adds ``per_layer_step`` to that host work
+(what a system does once a step per layer, in that backward's hooks: DeepSpeed's stage 1 reduces each gradient
+there), hidden likewise behind longer kernels. A checkpointed layer's forward and recompute add ``per_ckpt_pass``,
+one term for every system. The update factor is Lins' own and DeepSpeed's own (``_update_column``), and
+``overlap_factor`` is held at 1 at most: hiding communication cannot cost a step more than exposing it.
 
 The maximum is fitted by its active branch: each ZeRO-3-family run's regressor is the branch that is slower
 under the previous round's terms (the first round sums both), repeated until no run changes branch. Tried
@@ -33,8 +37,10 @@ on sockets the fetch cost hides behind the transfers. Without the byte term one 
 one-host runs of both sizes (a 7B fetch costs 1.8x a 1B one: its modules are 2.5x larger): 7B's were 11-12 % low.
 
 A term is shared unless the data can tell its values apart: within one model the compute and the update are
-the same for every system, so a factor per optimizer implementation is not determined (the fit trades it
-against the efficiency; tried, it gave updates at 14x the byte model and a 7B efficiency of 1). Sharing also
+the same for every system, so with one efficiency per model a factor per optimizer implementation is not
+determined (the fit trades it against the efficiency; tried, it gave updates at 14x the byte model and a 7B
+efficiency of 1). The shape model's measured factor prices the compute, so there the two implementations' update
+factors are told apart (the optimizer step by phase, ``shapes/call21``: DeepSpeed's 1.34-1.68x Lins'). Sharing also
 leaves each term several runs, so a run left out of the fit can still be predicted: the leave-one-out column
 of ``validate``, the honest figure. Lins' exposed time depends on the compute it overlaps, so the fit repeats
 with the new efficiencies until they settle.
@@ -55,6 +61,7 @@ from lins_ds.plan import (ComputeSpec, Layout, MemorySpec, ModelSpec, PlanError,
 import warnings
 
 from .simulate import FETCH_SYSTEMS, SYSTEMS, Overheads, StepTerms, system_terms
+from lins_ds.plan.compute_model import ComputeTable, in_training_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_OF = {"nocomm": "zero0", "lins_as_zero3": "lins", "lins-budget": "lins"}  # bench modes -> systems
@@ -213,7 +220,8 @@ def compute_key(run: Run, compute: ComputeSpec) -> str:
 
 
 def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool], key: str,
-             per_layer_s: float = HOST_PER_LAYER_PASS_S, per_ckpt_pass_s: float = 0.0) -> dict:
+             per_layer_s: float = HOST_PER_LAYER_PASS_S, per_ckpt_pass_s: float = 0.0,
+             per_layer_step_s: float = HOST_PER_LAYER_PASS_S) -> dict:
     """The run's regressors: what each fitted coefficient multiplies. ``bound``: whether the run's fetches,
     not its link, set the pace (None: not yet known, both count). With the shape model (``key`` "shape") each
     system also has a host cost per step, one per layer once a step (e.g. DeepSpeed's stage 1 reduces
@@ -221,13 +229,14 @@ def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool
     pass, which only the passes that wait for the host at ``per_layer_s`` (the previous round's) pay, in their
     kernels' place; of those, a checkpointed layer's forward and recompute pay one more cost each (``ckpt``,
     shared: the checkpoint is PyTorch's, whichever system runs it) and wait at ``per_layer_s + per_ckpt_pass_s``."""
-    passes, kernels, checkpointed = terms.host_passes(per_layer_s, per_ckpt_pass_s) if key == "shape" else (0, 0.0, 0)
+    passes, kernels, checkpointed, boundary = (terms.host_passes(per_layer_s, per_ckpt_pass_s, per_layer_step_s)
+                                               if key == "shape" else (0, 0.0, 0, 0))
     cols = {f"compute:{key}": (terms.compute_s - kernels) * efficiency,  # at peak / as measured: coefficient 1/eff.
-            "update": terms.update_s}
+            _update_column(run.system, key): terms.update_s}
     if key == "shape":
         cols[f"layer:{run.system}"] = passes * terms.host_scale
         cols[f"step:{run.system}"] = terms.host_scale
-        cols[f"boundary:{run.system}"] = terms.model_layers * terms.host_scale
+        cols[f"boundary:{run.system}"] = boundary * terms.host_scale
         cols["ckpt"] = checkpointed * terms.host_scale
     if not terms.fetches or bound is not True:
         cols[f"comm:{run.system}"] = terms.exposed_s
@@ -237,6 +246,30 @@ def _columns(run: Run, terms: StepTerms, efficiency: float, bound: Optional[bool
         cols["fetch"] = terms.fetches * terms.host_scale
         cols["fetch_byte"] = terms.fetch_bytes
     return cols
+
+
+def _solve(runs: list, cols: list, names: list, fixed: dict) -> dict:
+    """The coefficients of ``names`` minimising the runs' relative errors (NNLS), those of ``fixed`` held."""
+    free = [n for n in names if n not in fixed]
+    a = np.array([[c.get(n, 0.0) / r.step_s for n in free] for r, c in zip(runs, cols)])
+    rhs = np.array([1.0 - sum(c.get(n, 0.0) * v for n, v in fixed.items()) / r.step_s for r, c in zip(runs, cols)])
+    return dict(zip(free, nnls(a, rhs)), **fixed)
+
+
+def _sides(host_passes: tuple) -> tuple:
+    """Which passes wait for the host (``StepTerms.host_passes`` without the kernels' seconds): what a round of the
+    fit settles on."""
+    passes, _, checkpointed, boundary = host_passes
+    return passes, checkpointed, boundary
+
+
+def _update_column(system: str, key: str) -> str:
+    """The update factor a run's optimizer step shares: with the shape model, Lins' own, or DeepSpeed's (its ZeRO
+    optimizers keep fp32 master weights and copy every gradient into them: a step by phase,
+    bench/results/simulate/shapes/call21, takes 1.34-1.68 times Lins' on the same shape); one otherwise."""
+    if key != "shape":
+        return "update"
+    return "update:lins" if system == "lins" else "update:deepspeed"
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -283,23 +316,30 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
     keys = [compute_key(r, compute) for r in runs]
     eff = {k: 1.0 if k == "shape" else compute.achievable_mfu for k in keys}
     host = Overheads({}, host_s_per_module=host_s or reference_host(runs))
-    bound, layer_s, ckpt_s, seen, fits = [None] * len(runs), {}, 0.0, [], []
+    bound, layer_s, step_s, ckpt_s, seen, fits = [None] * len(runs), {}, {}, 0.0, [], []
     table = compute.table.to_json() if compute.table is not None else None
+    # a table with timed layers measured the shape model's factor itself (kernels among other kernels): not fitted
+    fixed = {"compute:shape": in_training_factor(compute.table)} if compute.table is not None and compute.table.layers \
+        else {}
     for _ in range(rounds):
         terms = [terms_of(r, tables, compute.at(eff[k]), host.host_scale(host_of(r, tables)))[0]
                  for r, k in zip(runs, keys)]
-        cols = [_columns(r, t, eff[k], b and b[0], k, layer_s.get(r.system, HOST_PER_LAYER_PASS_S), ckpt_s)
+        cols = [_columns(r, t, eff[k], b and b[0], k, layer_s.get(r.system, HOST_PER_LAYER_PASS_S), ckpt_s,
+                         step_s.get(r.system, HOST_PER_LAYER_PASS_S))
                 for r, t, b, k in zip(runs, terms, bound, keys)]
         names = sorted({n for c in cols for n, v in c.items() if v > 0})
-        a = np.array([[c.get(n, 0.0) / r.step_s for n in names] for r, c in zip(runs, cols)])
-        coef = dict(zip(names, nnls(a, np.ones(len(runs)))))
+        coef = _solve(runs, cols, names, fixed)
+        over = {n: 1.0 for n, v in coef.items() if n.startswith("overlap:") and v > 1.0}
+        if over:  # hiding communication behind compute cannot cost a step more than leaving it exposed
+            coef = _solve(runs, cols, names, dict(fixed, **over))
         missing = [m for m in eff if coef.get(f"compute:{m}", 0.0) <= 0]
         if missing:
             raise PlanError(f"{missing}: the runs do not determine this model's compute efficiency")
         new = {m: 1.0 / coef[f"compute:{m}"] for m in eff}
         ov = _overheads(coef, new, source, cluster, host.host_s_per_module, table)
         new_bound = [(t.fetch_bound(ov.terms(r.system)) if t.fetches else None,
-                      t.host_passes(ov.terms(r.system)["per_layer_s"], ov.terms(r.system)["per_ckpt_pass_s"])[::2]
+                      _sides(t.host_passes(*(ov.terms(r.system)[n] for n in ("per_layer_s", "per_ckpt_pass_s",
+                                                                              "per_layer_step_s"))))
                       if k == "shape" else None)
                      for r, t, k in zip(runs, terms, keys)]
         settled = max(abs(new[m] - eff[m]) for m in eff) < 1e-4 and new_bound == bound
@@ -308,6 +348,7 @@ def fit(runs: list, tables: dict, compute: ComputeSpec, source: str = "", rounds
         seen.append(new_bound)
         fits.append(ov)
         layer_s, ckpt_s = {s: ov.terms(s)["per_layer_s"] for s in ov.systems}, ov.terms("lins")["per_ckpt_pass_s"]
+        step_s = {s: ov.terms(s)["per_layer_step_s"] for s in ov.systems}
         if settled:
             break
         if cycle:  # each round's terms were fitted to the sides the one before chose: keep the cycle's best
@@ -340,7 +381,7 @@ def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: 
     out = {}
     for s in SYSTEMS:
         terms = {"comm_factor": coef.get(f"comm:{s}"), "overlap_factor": coef.get(f"overlap:{s}"),
-                 "update_factor": coef.get("update"),
+                 "update_factor": coef.get(_update_column(s, "shape"), coef.get("update")),
                  "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None,
                  "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None,
                  "per_layer_s": coef.get(f"layer:{s}"), "per_step_s": coef.get(f"step:{s}"),
@@ -463,8 +504,11 @@ def table_text(rows: list) -> str:
 def terms_text(overheads: Overheads) -> str:
     host = overheads.host_s_per_module
     shape = overheads.shape_model
+    measured = shape and ComputeTable.from_json(overheads.compute_table).layers
     model = (f"compute from each model's shape with the {overheads.compute_table.get('device')} table "
-             f"({overheads.compute_table.get('source')}) at a factor of {overheads.compute['shape']:.3f}" if shape
+             f"({overheads.compute_table.get('source')}) at a factor of {overheads.compute['shape']:.3f}"
+             + (f", the one its timed layers measured (they took {1 / overheads.compute['shape']:.3f} of their "
+                f"price)" if measured else ", fitted") if shape
              else "compute efficiency: " + ", ".join(f"{m} {e:.3f}" for m, e in sorted(overheads.compute.items())))
     out = [model,
            "per-fetch cost at a host of " + (f"{1e6 * host:.1f} us per module (bench/host.py; scaled by each "

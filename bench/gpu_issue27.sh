@@ -17,6 +17,9 @@
 # ran once with MODES=zero1 and once, on another machine, with MODES=lins).
 # GRID=14 (STEPS=12 WARMUP=4): host-bound probes, by phase (--breakdown): sequence 128, with and without
 # checkpointing, at widths 1024, 1536 and 4096; then h1536 x 24 at seq 2048 mb 2 with and without.
+# GRID=15 (STEPS=10 WARMUP=4): six GPU-bound grid shapes by phase (--breakdown), both systems: the optimizer step of
+# each apart from its forward and backward. Before it, for the compute term alone, run
+# `python -m bench layer-split --out $OUT/layers` (one layer of every shape, timed and split by kernel kind).
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -53,6 +56,9 @@ declare -A SPEC=(  # base name: model, sequence, micro-batch [--checkpointing]
   [hb2]="shape-h1024-l16 128 1 --breakdown" [hb2c]="shape-h1024-l16 128 1 --checkpointing --breakdown"
   [hb3]="llama-7b-width-8-layers 128 1 --breakdown" [hb3c]="llama-7b-width-8-layers 128 1 --checkpointing --breakdown"
   [n13k]="shape-h1536-l24 2048 2 --checkpointing --breakdown" [n13n]="shape-h1536-l24 2048 2 --breakdown"
+  [s5k]="shape-h5120-l8 4096 1 --breakdown" [n5k]="shape-h3072-l12 4096 1 --checkpointing --breakdown"
+  [s2k]="shape-h2048-l12 4096 2 --breakdown" [n12k]="shape-h2560-l16 4096 1 --breakdown"
+  [n7k]="shape-h5120-l6-kv8 1024 4 --breakdown" [s8k]="shape-h4096-l4 8192 1 --breakdown"
 )
 case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   1) RUNS="ref:ref s2:s2 s3:s3 s4:s4 s5:s5 s6:s6 s7:s7 s8:s8 s9:s9 ref2:ref" ;;
@@ -75,7 +81,8 @@ case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   # what a layer pass costs the host, checkpointed or not, by width; then the shape both systems miss (h1536 x 24
   # ckpt) and the same without checkpointing, by phase (STEPS=12 WARMUP=4)
   14) RUNS="hb1:hb1 hb1c:hb1c hb2:hb2 hb2c:hb2c hb3:hb3 hb3c:hb3c n13k:n13k n13n:n13n" ;;
-  *) echo "GRID=${GRID}: 1 to 14" >&2; exit 2 ;;
+  15) RUNS="s5k:s5k n5k:n5k s2k:s2k n12k:n12k n7k:n7k s8k:s8k" ;;  # GPU-bound shapes, forward, backward, step apart
+  *) echo "GRID=${GRID}: 1 to 15" >&2; exit 2 ;;
 esac
 # The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
 nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \

@@ -8,15 +8,17 @@ simulator prices it (``simulate.StepTerms.step``, one GPU: no link)::
     step = sum over layer passes of max(a x its kernels, d)  +  a x the rest of the compute
          + b x update(parameters at the measured bandwidth)  +  c
 
-in relative error — a is how far the kernels of a whole step fall short of the isolated ones the table timed, d the
+in relative error — a is how far the kernels of a whole step fall short of the isolated ones the table timed
+(measured, and held, where the table timed whole layers: ``compute_model.in_training_factor``), d the
 host's cost of launching one layer pass's kernels and running its hooks (forward, backward, recompute: a small
 layer waits for the host), b the optimizer's (and, for DeepSpeed, its gradient copies') cost per byte, c a fixed
-cost per step; a and d by a grid search, b and c by non-negative least squares at each point — on half the shapes,
-and each shape of the other half is predicted (leave-shapes-out), both ways. A shape measured more than once (other
-machines, other calls) is held at the median of its runs; each run is listed, and held alone too. Beside it, the
-additive form before it, ``a x compute + b x update + c + d x layer passes`` (NNLS): every pass pays the host's d on
-top of its kernels. The simulator's host cost per layer once a step is left out: these runs are gas 1, where it is
-one more cost per layer beside d (a scratch fit with it held ZeRO-1 no better); the 2-GPU runs at gas 2 fit it.
+cost per step; a (unless measured) and d by a grid search, b and c by non-negative least squares at each point —
+on half the shapes, and each shape of the other half is predicted (leave-shapes-out), both ways. A shape measured
+more than once (other machines, other calls) is held at the median of its runs; each run is listed, and held alone
+too. Beside it, the additive form before it, ``a x compute + b x update + c + d x layer passes`` (NNLS): every pass
+pays the host's d on top of its kernels. The simulator's host cost per layer once a step is left out: these runs
+are gas 1, where it only moves the backward's threshold beside d (a scratch grid over it, 0-6 ms, held fewer shapes:
+Lins 22 and ZeRO-1 20 of 23, against 23 and 22 without); the 2-GPU runs at gas 2 fit it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import statistics
 import numpy as np
 
 from lins_ds.plan import ComputeSpec, TrainingSpec, load_model
-from lins_ds.plan.compute_model import ComputeTable, step_compute
+from lins_ds.plan.compute_model import ComputeTable, in_training_factor, step_compute
 from lins_ds.plan.solver import optimizer_seconds
 
 from .calibrate import nnls
@@ -112,12 +114,13 @@ def _base(r: dict, a: float, d: float) -> float:
     return terms.step(dict(DEFAULT_TERMS, per_layer_s=d))
 
 
-def fit(rows: list) -> tuple:
-    """(a, b, c, d) of the simulator's form, minimising the relative error over ``rows``."""
+def fit(rows: list, measured_a: float = 0.0) -> tuple:
+    """(a, b, c, d) of the simulator's form, minimising the relative error over ``rows``; a held at ``measured_a``
+    where the compute table measured it (its timed layers: ``compute_model.in_training_factor``)."""
     y = np.array([r["step_s"] for r in rows])
     x = np.array([[r["update_s"], 1.0] for r in rows]) / y[:, None]
     best = None
-    for a in GRID_A:
+    for a in ([measured_a] if measured_a else GRID_A):
         for d in GRID_D:
             base = np.array([_base(r, a, d) for r in rows])
             bc = nnls(x, 1.0 - base / y)
@@ -144,18 +147,19 @@ def by_shape(rows: list) -> list:
 def analyse(runs: list, table: ComputeTable) -> dict:
     for r in runs:
         r.update(terms(r, table))
-    out = {"systems": {}}
+    a = in_training_factor(table) if table.layers else 0.0
+    out = {"systems": {}, "measured_compute_factor": a or None}
     for system in sorted({r["system"] for r in runs}):
         rows = by_shape([r for r in runs if r["system"] == system])
         names = [r["shape"] for r in rows]
         halves = (names[0::2], names[1::2])
         for fit_on, held in (halves, halves[::-1]):
             part = [r for r in rows if r["shape"] in fit_on]
-            coef, add_coef = fit(part), additive(part)
+            coef, add_coef = fit(part, a), additive(part)
             for r in rows:
                 if r["shape"] in held:
                     r["held_out_s"], r["additive_held_out_s"] = predict(coef, r), additive_predict(add_coef, r)
-        whole, add_whole = fit(rows), additive(rows)
+        whole, add_whole = fit(rows, a), additive(rows)
         out["systems"][system] = {
             "coef": dict(zip(("compute", "update", "per_step_s", "per_layer_pass_s"), whole)),
             "halves": [list(h) for h in halves],
@@ -188,8 +192,9 @@ def text(result: dict) -> str:
         c = s["coef"]
         lines.append(f"{system}: every layer pass the longer of {c['compute']:.3f} x its kernels and "
                      f"{1e3 * c['per_layer_pass_s']:.2f} ms of host, the rest of the compute x {c['compute']:.3f}, "
-                     f"{c['update']:.3f} x update, {1e3 * c['per_step_s']:.1f} ms a step (fitted on every shape); "
-                     f"halves: {s['halves']}")
+                     f"{c['update']:.3f} x update, {1e3 * c['per_step_s']:.1f} ms a step (fitted on every shape"
+                     f"{'; the compute factor measured by the table' if result.get('measured_compute_factor') else ''}"
+                     f"); halves: {s['halves']}")
         lines.append("| shape | runs (call/run: s) | measured s (median) | spread | shape model alone s | error | "
                      "fitted (all) s | error | held out (fitted on the other half) s | error | additive form, held out |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -207,18 +207,24 @@ class StepTerms:
     model_layers: int = 0  # the model's layers, for the host's work per layer once a step (0 without the shape model)
     overlapped_s: float = 0.0  # the boundary AllReduce and P-sync hidden behind compute (``boundary_overlap``)
 
-    def host_passes(self, per_layer_s: float, per_ckpt_pass_s: float = 0.0) -> tuple:
-        """(passes, their kernels' seconds, checkpointed passes among them): the layer passes whose host work
-        (launches, hooks: ``per_layer_s`` at this host's speed) outlasts their kernels, so that the GPU waits for the
-        host (see ``step``). A checkpointed layer's forward and its recompute each cost the host ``per_ckpt_pass_s``
-        more (measured on host-bound steps, ``bench/results/simulate/shapes/call17`` and ``call19``; presumably the
-        checkpoint's saved-tensor hooks in the first and the recompute's set-up inside the backward in the second)."""
+    def host_passes(self, per_layer_s: float, per_ckpt_pass_s: float = 0.0, per_layer_step_s: float = 0.0) -> tuple:
+        """(passes, their kernels' seconds, checkpointed passes among them, boundary passes among them): the layer
+        passes whose host work (launches, hooks: ``per_layer_s`` at this host's speed) outlasts their kernels, so
+        that the GPU waits for the host (see ``step``). A checkpointed layer's forward and its recompute each cost the
+        host ``per_ckpt_pass_s`` more (measured on host-bound steps, ``bench/results/simulate/shapes/call17`` and
+        ``call19``; presumably the checkpoint's saved-tensor hooks in the first and the recompute's set-up inside the
+        backward in the second). The last micro-batch's backward of each layer (``model_layers`` passes) costs it
+        ``per_layer_step_s`` more: the work a system does once a step per layer, inside that backward's hooks
+        (DeepSpeed's stage 1 reduces each gradient there), which a pass with longer kernels hides too."""
         host, ckpt = per_layer_s * self.host_scale, (per_layer_s + per_ckpt_pass_s) * self.host_scale
+        last = (per_layer_s + per_layer_step_s) * self.host_scale
         fwd, ck, bwd = host > self.layer_fwd_s, ckpt > self.layer_fwd_s, host > self.layer_bwd_s
+        lb = last > self.layer_bwd_s
         plain, checkpointed = self.layers - self.recomputes, 2 * self.recomputes  # forwards, and ckpt fwd + recompute
-        return (fwd * plain + ck * checkpointed + bwd * self.layers,
-                (fwd * plain + ck * checkpointed) * self.layer_fwd_s + bwd * self.layers * self.layer_bwd_s,
-                ck * checkpointed)
+        other = self.layers - self.model_layers  # backward passes of the earlier micro-batches
+        return (fwd * plain + ck * checkpointed + bwd * other + lb * self.model_layers,
+                (fwd * plain + ck * checkpointed) * self.layer_fwd_s + (bwd * other + lb * self.model_layers)
+                * self.layer_bwd_s, ck * checkpointed, lb * self.model_layers)
 
     def waits(self, ov: dict) -> tuple:
         """(link, fetch): the exposed communication, and the fetches' own cost under ``ov``: their hooks and
@@ -240,10 +246,12 @@ class StepTerms:
         hooks (small layers wait for the host: ``host_passes``; a checkpointed layer's two forwards cost it more);
         each step has a fixed host cost too, and one per
         layer once a step (``per_layer_step_s``; e.g. DeepSpeed's stage 1 reduces each parameter's gradient, bucket
-        by bucket, only in the last micro-batch's backward: ``reduce_ready_partitions_and_remove_grads``)."""
-        passes, kernels, checkpointed = self.host_passes(ov["per_layer_s"], ov["per_ckpt_pass_s"])
+        by bucket, only in the last micro-batch's backward: ``reduce_ready_partitions_and_remove_grads``), which that
+        backward's kernels hide as they hide the per-pass cost."""
+        passes, kernels, checkpointed, boundary = self.host_passes(ov["per_layer_s"], ov["per_ckpt_pass_s"],
+                                                                   ov["per_layer_step_s"])
         host = (ov["per_layer_s"] * passes + ov["per_ckpt_pass_s"] * checkpointed + ov["per_step_s"]
-                + ov["per_layer_step_s"] * self.model_layers)
+                + ov["per_layer_step_s"] * boundary)
         return (self.compute_s + ov["update_factor"] * self.update_s + max(self.waits(ov))
                 + ov["overlap_factor"] * self.overlapped_s + host * self.host_scale - kernels)
 

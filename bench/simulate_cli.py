@@ -138,7 +138,7 @@ def _report(args, out: dict, note: str, systems: list, model) -> int:
 
 def _shape_compute(args, overheads, terms_from: str) -> tuple:
     """(cluster, compute, note) of a calibration fitted with the shape model: its own cluster and device table, or
-    --cluster's built-in table (bench/compute_tables/), at the fitted factor."""
+    --cluster's built-in table (bench/compute_tables/), at the calibration's factor (measured or fitted)."""
     import os
 
     from lins_ds.plan.compute_model import ComputeTable
@@ -155,8 +155,10 @@ def _shape_compute(args, overheads, terms_from: str) -> tuple:
         table = ComputeTable.load(path)
     factor = overheads.compute["shape"]
     compute = replace(cluster.compute(), table=table, achievable_mfu=factor)
+    how = ("measured by the calibration table's timed layers" if ComputeTable.from_json(overheads.compute_table).layers
+           else "fitted to GPU runs")
     note = (f"compute from each model's shape: the {table.device} table ({table.source}) at the factor {factor:.3f} "
-            f"fitted to GPU runs ({terms_from})")
+            f"{how} ({terms_from})")
     return cluster, compute, note
 
 

@@ -107,6 +107,33 @@ def test_what_overlapped_communication_still_costs_is_told_from_what_is_exposed(
     assert got.terms("lins")["overlap_factor"] == pytest.approx(0.8, rel=1e-3)
     assert got.terms("lins")["comm_factor"] == pytest.approx(1.15, rel=1e-3)
     assert got.terms("zero1")["overlap_factor"] == 0.0  # DeepSpeed's communication is all taken as exposed
+    # hiding it cannot cost a step more than leaving it exposed: a fit that would price it higher holds it at 1
+    systems = dict(TRUE.systems, lins=dict(TRUE.systems["lins"], overlap_factor=1.3))
+    truth = Overheads(systems, TRUE.compute, "synthetic")
+    runs = [r for m in ("1b", "7b") for r in C.load_runs(_bench(tmp_path / f"c{m}.json", m, truth=truth))]
+    assert C.fit(runs, _tables(), CLUSTER.compute()).terms("lins")["overlap_factor"] == 1.0
+
+
+def test_a_table_with_timed_layers_holds_the_compute_factor_it_measured(tmp_path):
+    """A compute table whose layers were timed (``lins-ds profile --compute``) measured the shape model's factor
+    itself: the fit holds it and fits the per-system terms on top, Lins' optimizer step and DeepSpeed's (fp32 master
+    weights, every gradient copied into them) each with its own update factor."""
+    from lins_ds.plan.compute_model import ComputeTable, in_training_factor
+
+    table = ComputeTable.load(os.path.join(ROOT, "bench/results/simulate/shapes/call20/layers/compute.json"))
+    f = in_training_factor(table)
+    systems = {s: dict(t, per_step_s=0.01) for s, t in TRUE.systems.items()}
+    systems["lins"]["update_factor"] = 2.5
+    truth = Overheads(systems, {"shape": 1.0 / f}, "synthetic", compute_table=table.to_json())
+    runs = [r for m in ("1b", "7b", "13b") for r in C.load_runs(_bench(tmp_path / f"b{m}.json", m, truth=truth))]
+    compute = replace(CLUSTER.compute(), table=table, achievable_mfu=1.0)
+    got = C.fit(runs, _tables(), compute)
+    assert got.compute["shape"] == pytest.approx(1.0 / f, rel=1e-9)
+    assert got.terms("lins")["update_factor"] == pytest.approx(2.5, rel=1e-3)
+    assert got.terms("zero1")["update_factor"] == got.terms("zero3")["update_factor"] == pytest.approx(3.0, rel=1e-3)
+    # the same runs taken 10 % slower: the measured factor stays, the other terms take what it does not price
+    slower = [replace(r, step_s=1.1 * r.step_s) for r in runs]
+    assert C.fit(slower, _tables(), compute).compute["shape"] == pytest.approx(1.0 / f, rel=1e-9)
 
 
 def test_a_noisy_run_shows_in_its_error_and_leave_one_out(tmp_path):
@@ -366,8 +393,10 @@ def test_what_a_checkpointed_layer_costs_the_host_is_told_from_a_plain_pass():
 
 def test_a_host_cost_per_layer_once_a_step_is_told_from_one_per_micro_batch(tmp_path):
     """With the shape model each system also has a host cost per layer once a step (DeepSpeed's stage 1 reduces
-    gradients parameter by parameter in the last micro-batch only): runs at gas 1 and gas 2 tell it from the cost
-    per layer pass, which every micro-batch pays; three depths tell it from the update and the fixed cost."""
+    gradients parameter by parameter in the last micro-batch only), paid inside that micro-batch's backward: a layer
+    whose backward kernels outlast it hides it (the 7B's and 13B's here), a small one (the 1B's) waits for it. Runs
+    at gas 1 and gas 2 tell it from the cost per layer pass, which every micro-batch pays; the depths tell it from
+    the update and the fixed cost."""
     import os
 
     from lins_ds.plan.compute_model import ComputeTable
@@ -375,7 +404,7 @@ def test_a_host_cost_per_layer_once_a_step_is_told_from_one_per_micro_batch(tmp_
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     table = ComputeTable.load(os.path.join(root, "bench/results/simulate/shapes/call1/compute_h200.json"))
     systems = {s: dict(t, per_step_s=0.01) for s, t in TRUE.systems.items() if s != "mics"}
-    systems["zero1"]["per_layer_step_s"] = 2.5e-3
+    systems["zero1"]["per_layer_step_s"] = 5e-3
     truth = Overheads(systems, {"shape": 0.85}, "synthetic", host_s_per_module=None, compute_table=table.to_json())
     benches = [_bench(tmp_path / f"b{m}_{g}.json", m, truth=truth, grad_accum=g) for m in ("1b", "7b", "13b")
                for g in (1, 2)]
@@ -383,10 +412,15 @@ def test_a_host_cost_per_layer_once_a_step_is_told_from_one_per_micro_batch(tmp_
     compute = replace(CLUSTER.compute(), table=table, achievable_mfu=1.0)
     got = C.fit(runs, _tables(), compute)
     assert got.compute["shape"] == pytest.approx(0.85, rel=1e-3)
-    assert got.terms("zero1")["per_layer_step_s"] == pytest.approx(2.5e-3, rel=1e-3)
+    assert got.terms("zero1")["per_layer_step_s"] == pytest.approx(5e-3, rel=1e-3)
     assert got.terms("zero2")["per_layer_step_s"] == pytest.approx(0.0, abs=1e-7)
     assert got.terms("lins")["per_step_s"] == pytest.approx(0.01, rel=1e-3)
     one = [r for r in runs if r.system == "zero1" and r.grad_accum == 1 and r.topology == "host"][0]
     two = [r for r in runs if r.system == "zero1" and r.grad_accum == 2 and r.topology == "host"][0]
     terms1, terms2 = (C.predict(r, _tables(), CLUSTER.compute(), got)[1] for r in (one, two))
     assert terms1.model_layers == terms2.model_layers and terms2.layers == 2 * terms1.layers
+    seven = [r for r in runs if r.system == "zero1" and "7b" in r.model and r.topology == "host"][0]
+    hidden = C.predict(seven, _tables(), CLUSTER.compute(), got)[1]
+    zero1 = got.terms("zero1")
+    assert terms2.host_passes(zero1["per_layer_s"], 0.0, zero1["per_layer_step_s"])[3] == terms2.model_layers
+    assert hidden.host_passes(zero1["per_layer_s"], 0.0, zero1["per_layer_step_s"])[3] == 0

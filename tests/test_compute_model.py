@@ -12,6 +12,7 @@ from lins_ds.plan.compute_model import ComputeTable, step_compute
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = os.path.join(ROOT, "bench/results/simulate/shapes")
 H200 = os.path.join(SHAPES, "call1/compute_h200.json")
+H200_LAYERS = os.path.join(SHAPES, "call20/layers/compute.json")  # with timed layers: the in-training factor
 
 
 def _flat(tflops=500.0, attn=300.0, bw=4000.0) -> ComputeTable:
@@ -76,20 +77,95 @@ def test_the_profiler_measures_a_table_the_model_reads(tmp_path):
     read = ComputeTable.load(path)
     assert read.device == "cpu" and len(read.gemm) == 8 and read.bandwidth_gbs > 0
     assert step_compute(load_model("tiny"), TrainingSpec(64, 1, 1), read).total_s > 0
+    # a Hugging Face decoder layer timed whole, which the table's in-training factor comes from
+    assert len(read.layers) == 1 and read.layers[0][:6] == (64, 128, 4, 2, 32, 1) and read.layers[0][6] > 0
+    assert ComputeTable.from_json(read.to_json()).layers == read.layers
+
+
+def test_the_in_training_factor_is_what_timed_layers_took_over_their_price():
+    """Whole layers timed as training queues them, over what the table prices them at: the median of their ratios;
+    a table without them (measured before they were) takes the isolated kernels' rates as they are."""
+    from dataclasses import replace
+
+    from lins_ds.plan.compute_model import in_training_factor, layer_price_s
+
+    table = ComputeTable.load(H200)
+    assert in_training_factor(table) == 1.0
+    shapes = ((2048, 5632, 16, 16, 4096, 2), (2560, 6912, 20, 20, 4096, 1), (4096, 11008, 32, 32, 2048, 2))
+    timed = tuple(shape + (x * layer_price_s(table, *shape),) for shape, x in zip(shapes, (1.1, 0.9, 1.05)))
+    assert in_training_factor(replace(table, layers=timed)) == pytest.approx(1.05)
+    assert in_training_factor(ComputeTable.load(H200_LAYERS)) == pytest.approx(1.023, abs=1e-3)
+
+
+def _counted_bytes(cfg, tokens: int) -> tuple:
+    """(forward, backward) bytes per token that the non-GEMM, non-attention aten ops of a Hugging Face causal LM
+    read and write (every tensor argument and result of each op that is not a view), run on the CPU."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from transformers import LlamaForCausalLM
+
+    skip = {"mm", "addmm", "bmm", "matmul", "linear", "t", "transpose", "view", "_unsafe_view", "expand", "detach",
+            "empty", "empty_like", "zeros", "zeros_like", "ones_like", "new_empty", "new_zeros", "empty_strided",
+            "slice", "unsqueeze", "as_strided", "alias", "split"}
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if not (func.is_view or name in skip or "attention" in name):
+                self.total += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                  if isinstance(t, torch.Tensor))
+            return out
+
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens))
+    fwd, bwd = Count(), Count()
+    with fwd:
+        loss = model(input_ids=ids, labels=ids).loss
+    with bwd:
+        loss.backward()
+    return fwd.total / tokens, bwd.total / tokens
+
+
+def test_the_memory_bound_bytes_are_those_hugging_face_layers_move():
+    """The shape model's element-wise traffic (``ELEMENTWISE_BYTES``, ``HEAD_BYTES``) is what the installed
+    transformers' LLaMA moves through its non-GEMM kernels, counted op by op on the CPU for shapes of other widths,
+    depths, KV heads and vocabularies: a new transformers whose layers move other bytes fails here."""
+    from transformers import LlamaConfig
+
+    from lins_ds.plan.compute_model import ELEMENTWISE_BYTES, HEAD_BYTES
+    from lins_ds.plan.model import ModelSpec
+
+    for h, i, heads, kv, layers, vocab in ((384, 1024, 6, 6, 3, 1000), (512, 1536, 8, 2, 2, 768)):
+        cfg = LlamaConfig(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv,
+                          num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=False)
+        spec = ModelSpec("m", "llama", layers, h, i, vocab, heads, kv)
+        fwd, bwd = _counted_bytes(cfg, 512)
+        for got, way, w in ((fwd, "forward", 0), (bwd, "backward", 1)):
+            c = ELEMENTWISE_BYTES["llama"][way]
+            model = (layers * (c["hidden"] * h + c["intermediate"] * i + c["kv"] * spec.kv_dim)
+                     + HEAD_BYTES["llama"]["hidden"][w] * h + HEAD_BYTES["llama"]["logit"][w] * vocab)
+            assert model == pytest.approx(got, rel=0.03), (h, i, kv, layers, vocab, way)
 
 
 def test_held_out_shapes_on_one_h200(capsys):
     """The committed one-H200 grid (23 shapes, thirteen calls, every shape measured at least three times under each
-    system): fitted on half the shapes, each shape of the other half predicted at the median of its runs; the clock
-    log lined up with the steps."""
+    system): fitted on half the shapes, each shape of the other half predicted at the median of its runs, the
+    compute factor the table's measured one; the clock log lined up with the steps."""
     from bench.__main__ import main
 
     calls = [os.path.join(SHAPES, f"call{i}") for i in range(1, 14)]
-    assert main(["shapes", *calls, "--compute", H200, "--clocks"]) == 0
+    assert main(["shapes", *calls, "--compute", H200_LAYERS, "--clocks"]) == 0
     out = capsys.readouterr().out
     lins, zero1 = [line for line in out.splitlines() if line.startswith("held out:")]
-    assert lins.startswith("held out: 22 of 23 within 10 %"), out
-    assert zero1.startswith("held out: 20 of 23 within 10 %"), out
+    assert "the rest of the compute x 1.023" in out, out  # the table's timed layers over their price
+    assert lins.startswith("held out: 23 of 23 within 10 %"), out
+    assert zero1.startswith("held out: 22 of 23 within 10 %"), out
     clocks = [line for line in out.splitlines() if line.startswith("call8/ref9_zero1:")]
     assert clocks and "SM clock 1980-1980 MHz" in clocks[0] and "throttled by: none" in clocks[0], out
 
@@ -109,3 +185,27 @@ def test_clock_lines_pick_the_samples_within_the_timed_steps(tmp_path):
     assert clock_lines([str(tmp_path)]) == [  # the run's own warm-up, not the default 4
         f"{tmp_path.name}/a_lins: steps 1000-2000 ms (100 %), SM clock 1650-1800 MHz over 2 samples, "
         "throttled by: SW power cap"]
+
+
+def test_layer_split_holds_each_timed_layer_to_its_price(tmp_path, capsys):
+    """``python -m bench layer-split --analyse``: every shape's timed layer next to the shape model's price, by
+    kernel kind, with the table's in-training factor."""
+    import shutil
+
+    from bench.__main__ import main
+    from bench.layer_split import priced, shapes
+
+    shutil.copy(H200, tmp_path / "compute.json")
+    table = ComputeTable.load(H200)
+    rows = []
+    for model, seq, mb in shapes():
+        p = priced(table, {"model": model, "seq": seq, "micro_batch": mb})
+        rows.append({"model": model, "seq": seq, "micro_batch": mb, "seconds": 1.1 * p["total"],
+                     "kernels_s": {k: p[k] for k in ("gemm", "attention", "other")}})
+    assert len(rows) == 26 and rows[-1]["model"] == "7b"  # the grid's 23 shapes, the 2.9B, the 1B and the 7B
+    (tmp_path / "layers.json").write_text(json.dumps({"layers": rows}))
+    assert main(["layer-split", "--analyse", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "in-training factor (timed reference layers over their price): 1.000" in out
+    assert "measured over priced: median 1.100, 1.100-1.100 over 26 shapes" in out
+    assert "| llama-2.9b s4096 mb2 |" in out

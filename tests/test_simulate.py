@@ -134,6 +134,7 @@ def test_a_shape_model_calibration_carries_its_compute_model_and_says_which(caps
     assert main(args + ["--cluster", "a800-ib"]) == 0
     a800 = json.loads(capsys.readouterr().out)
     assert "A800-80GB (derived) table (derived, not measured" in a800["calibration"]
+    assert "measured by the calibration table's timed layers" in a800["calibration"]  # call 20's in-training factor
     assert f"factor {Overheads.from_json(json.load(open(cal))['meta']['simulator']['overheads']).compute['shape']:.3f}" in a800["calibration"]
     assert main(args + ["--gpu-memory-gb", "139"]) == 0
     h200 = json.loads(capsys.readouterr().out)
@@ -155,7 +156,7 @@ def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
     assert big.step(ov) == pytest.approx(1.0 + 5e-3)
     small = StepTerms(0.1, 0.0, 0.0, 0.0, 0, layers=4, recomputes=2, layer_fwd_s=1e-3, layer_bwd_s=3e-3)
     # the forwards (2 plain, 2 checkpointed, 2 recomputed) wait for the host, the backwards do not
-    assert small.host_passes(2e-3) == (6, pytest.approx(6e-3), 4)
+    assert small.host_passes(2e-3) == (6, pytest.approx(6e-3), 4, 0)
     assert small.step(ov) == pytest.approx(0.1 - 6e-3 + 6 * 2e-3 + 5e-3)
     slow = replace(small, host_scale=2.0)
     assert slow.host_passes(2e-3)[0] == 10 and slow.step(ov) == pytest.approx(0.1 - 18e-3 + 10 * 4e-3 + 10e-3)
@@ -164,17 +165,22 @@ def test_a_layer_pass_takes_the_longer_of_its_kernels_and_the_hosts_work():
     ck = dict(ov, per_ckpt_pass_s=1e-3)
     assert small.step(ck) == pytest.approx(small.step(ov) + 4 * 1e-3)
     mid = replace(small, layer_fwd_s=2.5e-3, layer_bwd_s=5e-3)
-    assert mid.host_passes(2e-3, 1e-3) == (4, pytest.approx(10e-3), 4)
+    assert mid.host_passes(2e-3, 1e-3) == (4, pytest.approx(10e-3), 4, 0)
     assert mid.step(ck) == pytest.approx(0.1 - 10e-3 + 4 * 3e-3 + 5e-3)
     assert mid.step(ov) == pytest.approx(0.1 + 5e-3)  # without the checkpoint's cost no pass waits
     # on a host twice as slow the checkpointed passes wait at 2 x (2 + 1) = 6 ms: a 5.5 ms forward waits only then
     wide = replace(mid, layer_fwd_s=5.5e-3, layer_bwd_s=20e-3, host_scale=2.0)
-    assert wide.host_passes(2e-3, 1e-3) == (4, pytest.approx(22e-3), 4)
+    assert wide.host_passes(2e-3, 1e-3) == (4, pytest.approx(22e-3), 4, 0)
     assert wide.step(ck) == pytest.approx(0.1 - 22e-3 + 2 * (4 * 3e-3 + 5e-3))
-    # a host cost per layer once a step, whatever the micro-batches: 4 layers, on this host and on one twice as slow
+    # a host cost per layer once a step, in the last micro-batch's backward of each layer: hidden behind long
+    # kernels, paid where that backward waits for the host (4 layers; on a host twice as slow, twice)
     once = dict(ov, per_layer_step_s=1e-3)
-    assert replace(big, model_layers=4).step(once) == pytest.approx(1.0 + 5e-3 + 4e-3)
+    assert replace(big, model_layers=4).step(once) == pytest.approx(1.0 + 5e-3)
     assert replace(slow, model_layers=4).step(once) == pytest.approx(slow.step(ov) + 2 * 4e-3)
+    # two micro-batches of 4 layers, backward kernels of 2.5 ms: only the second one's backwards wait, at 2 + 1 ms
+    two = replace(small, layers=8, recomputes=0, layer_bwd_s=2.5e-3, model_layers=4)
+    assert two.host_passes(2e-3, 0.0, 1e-3) == (12, pytest.approx(8e-3 + 4 * 2.5e-3), 0, 4)
+    assert two.step(once) == pytest.approx(two.step(ov) + 4 * (3e-3 - 2.5e-3))
     # the overlapped boundary AllReduce and P-sync cost the step the overlap factor's share; exposed, the comm factor's
     both = StepTerms(1.0, 0.0, 0.1, 0.4, 0, overlapped_s=0.3)
     assert both.step(dict(DEFAULT_TERMS, comm_factor=1.5, overlap_factor=0.5)) == pytest.approx(1.0 + 0.15 + 0.15)

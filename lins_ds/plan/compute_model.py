@@ -5,9 +5,16 @@ keys, values, output; gate, up, down), causal attention, and memory-bound elemen
 embedding, the gated activation, residual adds); then the LM head's GEMM and the cross-entropy over the vocabulary.
 Each GEMM (m x k) @ (k x n) is priced at the rate the device's compute table measured for its sizes (forward
 (T, n, k), backward (T, k, n) for the input's gradient and (k, n, T) for the weight's), attention at its measured
-rate for the sequence length and head width, the element-wise work at the measured bandwidth. A checkpointed layer
-runs its forward twice. The table comes from ``python -m lins_ds.profiler.compute`` (``lins-ds profile --compute``);
-pure Python here, no torch.
+rate for the sequence length and head width, the element-wise work by the bytes Hugging Face's layers move through
+it (``ELEMENTWISE_BYTES``, counted op by op) at the measured bandwidth. A checkpointed layer runs its forward twice.
+The table comes from ``python -m lins_ds.profiler.compute`` (``lins-ds profile --compute``), which also times a few
+whole layers as training queues them: what they took over this model's price is the table's in-training factor
+(``in_training_factor``), the share of a step's kernels the isolated rates miss. On one H200 a layer's GEMMs take
+0.58-0.93 of their isolated time among other kernels (median 0.79) and its element-wise kernels reach about 62 %
+of the streaming bandwidth; the two nearly cancel (the factor is 1.02). One layer of each of 23 shapes whose kernels set its pace
+(20 of the grid's, the 2.9B's, the 1B's, the 7B's) took 0.96-1.04 of its price with the factor; three narrow ones
+took 1.42-1.51, presumably waiting for their launches (``python -m bench layer-split``,
+bench/results/simulate/shapes/call20). Pure Python here, no torch.
 """
 
 from __future__ import annotations
@@ -21,13 +28,23 @@ from .spec import TrainingSpec
 from .topology import PlanError
 
 FORMAT = "lins_ds.compute/1"
-# bytes moved per token by the memory-bound work of one layer's forward, in units of (hidden, intermediate, kv
-# width) elements of 2 bytes: two RMSNorms (read and write h each), rotary on queries and keys (read and write
-# h + kv), the gated activation (read 2 i, write i), two residual adds (read 2 h, write h each); the backward
-# moves about twice as much
-ELEMENTWISE_FWD = {"hidden": 2 * 2 + 2 + 2 * 3, "intermediate": 3, "kv": 2}
-BACKWARD_OVER_FORWARD = 2.0
-CROSS_ENTROPY_BYTES = 2 + 4 * 4  # per logit: the bf16 logits written, read as fp32, softmax and its gradient
+# bytes each token moves through the memory-bound kernels of one layer, per unit of the (hidden, intermediate, kv)
+# widths, as Hugging Face's eager layers run them, counted op by op (every input read and output written by the
+# aten ops that are not GEMMs or attention) on the installed transformers: tests/test_compute_model.py re-counts
+# them. A LLaMA layer's are mostly its two RMSNorms, which run in fp32 (cast, square, mean, scale, cast back, the
+# weight: about 36 bytes per hidden unit each, forward), then rotary embedding on queries and keys, the gated
+# activation and the residual adds; autograd's backward of the same ops moves about 2.4 times the forward.
+ELEMENTWISE_BYTES = {
+    "llama": {"forward": {"hidden": 106, "intermediate": 10, "kv": 28},
+              "backward": {"hidden": 256, "intermediate": 18, "kv": 32}},
+    "gpt2": {"forward": {"hidden": 309, "intermediate": 36, "kv": 0},
+             "backward": {"hidden": 204, "intermediate": 58, "kv": 0}},
+}
+# per token outside the layers (the final norm, the embedding) per hidden unit, and per logit (the loss casts the
+# logits to fp32, log-softmax, NLL, and their gradient), (forward, backward)
+HEAD_BYTES = {"llama": {"hidden": (38, 97), "logit": (20, 28)}, "gpt2": {"hidden": (17, 29), "logit": (20, 34)}}
+
+LAYER_KEYS = ("hidden", "intermediate", "heads", "kv_heads", "seq", "micro_batch", "seconds")
 
 
 def _log2(x: float) -> float:
@@ -41,6 +58,7 @@ class ComputeTable:
     attention: tuple  # ((seq, head_dim, tflops), ...)
     bandwidth_gbs: float
     source: str = ""
+    layers: tuple = ()  # ((hidden, intermediate, heads, kv_heads, seq, micro_batch, seconds), ...): whole layers timed
 
     @classmethod
     def from_json(cls, obj: dict, origin: str = "compute table") -> "ComputeTable":
@@ -49,14 +67,18 @@ class ComputeTable:
         try:
             gemm = tuple((int(g["m"]), int(g["n"]), int(g["k"]), float(g["tflops"])) for g in obj["gemm"])
             attn = tuple((int(a["seq"]), int(a["head_dim"]), float(a["tflops"])) for a in obj["attention"])
-            return cls(str(obj["device"]), gemm, attn, float(obj["bandwidth_gbs"]), str(obj.get("source", origin)))
+            layers = tuple((int(r["hidden"]), int(r["intermediate"]), int(r["heads"]), int(r["kv_heads"]),
+                            int(r["seq"]), int(r["micro_batch"]), float(r["seconds"])) for r in obj.get("layers", ()))
+            return cls(str(obj["device"]), gemm, attn, float(obj["bandwidth_gbs"]), str(obj.get("source", origin)),
+                       layers)
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{origin}: malformed compute table ({type(e).__name__}: {e})") from None
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "device": self.device, "bandwidth_gbs": self.bandwidth_gbs, "source": self.source,
                 "gemm": [{"m": m, "n": n, "k": k, "tflops": t} for m, n, k, t in self.gemm],
-                "attention": [{"seq": s, "head_dim": d, "tflops": t} for s, d, t in self.attention]}
+                "attention": [{"seq": s, "head_dim": d, "tflops": t} for s, d, t in self.attention],
+                "layers": [dict(zip(LAYER_KEYS, row)) for row in self.layers]}
 
     @classmethod
     def load(cls, path: str) -> "ComputeTable":
@@ -105,6 +127,26 @@ class ComputeTable:
         return pts[-1][1]
 
 
+def layer_price_s(table: ComputeTable, hidden: int, intermediate: int, heads: int, kv_heads: int, seq: int,
+                  micro_batch: int) -> float:
+    """One LLaMA decoder layer's forward and backward as the shape model prices it from ``table``."""
+    model = ModelSpec("layer", "llama", 1, hidden, intermediate, 32000, heads, kv_heads)
+    one = step_compute(model, TrainingSpec(seq, micro_batch, 1), table)
+    return one.layer_forward_s + one.layer_backward_s
+
+
+def in_training_factor(table: ComputeTable) -> float:
+    """How much longer whole layers took than the shape model prices them from the rest of ``table`` (the median
+    over its timed layers; ``lins-ds profile --compute`` times them as training queues them): kernels among
+    other kernels, not alone. 1.0 for a table without timed layers (measured before they were, or without
+    transformers)."""
+    if not table.layers:
+        return 1.0
+    ratios = sorted(row[-1] / layer_price_s(table, *row[:-1]) for row in table.layers)
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
+
+
 @dataclass(frozen=True)
 class StepCompute:
     """One step's compute, by kind (seconds, every micro-batch of the window)."""
@@ -137,6 +179,18 @@ def _fwd_bwd(table: ComputeTable, shapes: list) -> tuple:
     return fwd, bwd
 
 
+def _arch(model: ModelSpec) -> str:
+    return model.arch if model.arch in ELEMENTWISE_BYTES else "llama"
+
+
+def _layer_bytes(model: ModelSpec, way: str) -> float:
+    """Bytes per token of one layer's memory-bound kernels, ``way`` "forward" or "backward" (an MoE layer's active
+    experts as one MLP of their width, as in ``_gemms``)."""
+    i = model.intermediate * max(1, model.experts_per_token) + model.shared_intermediate
+    c = ELEMENTWISE_BYTES[_arch(model)][way]
+    return c["hidden"] * model.hidden + c["intermediate"] * i + c["kv"] * model.kv_dim
+
+
 def step_compute(model: ModelSpec, train: TrainingSpec, table: ComputeTable, ckpt_units: int = 0) -> StepCompute:
     """Forward and backward of every micro-batch of one optimizer step, with ``ckpt_units`` layers recomputed."""
     tokens = train.micro_batch_size * train.seq_len
@@ -144,17 +198,17 @@ def step_compute(model: ModelSpec, train: TrainingSpec, table: ComputeTable, ckp
     fwd, bwd = _fwd_bwd(table, _gemms(model, tokens))
     attn_flops = 2.0 * train.micro_batch_size * model.heads * train.seq_len ** 2 * head_dim  # causal forward
     attn_fwd = attn_flops / (table.attention_tflops(train.seq_len, head_dim) * 1e12)
-    per_token = sum(ELEMENTWISE_FWD[k] * w for k, w in (("hidden", model.hidden), ("intermediate", model.intermediate),
-                                                          ("kv", model.kv_dim)))
-    mem_fwd = 2.0 * per_token * tokens / (table.bandwidth_gbs * 1e9)
+    per_byte = tokens / (table.bandwidth_gbs * 1e9)
+    mem_fwd, mem_bwd = (per_byte * _layer_bytes(model, way) for way in ("forward", "backward"))
     layer_fwd = fwd + attn_fwd + mem_fwd
     head_fwd, head_bwd = _fwd_bwd(table, [(tokens, model.vocab, model.hidden)])
-    ce = CROSS_ENTROPY_BYTES * tokens * model.vocab / (table.bandwidth_gbs * 1e9)
+    head = HEAD_BYTES[_arch(model)]
+    head_mem = [per_byte * (head["hidden"][w] * model.hidden + head["logit"][w] * model.vocab) for w in (0, 1)]
     L, k = model.num_layers, min(ckpt_units, model.num_layers)
     gemm = L * (fwd + bwd) + k * fwd + head_fwd + head_bwd
     attention = (L * 3 + k) * attn_fwd
-    memory = (L * (1 + BACKWARD_OVER_FORWARD) + k) * mem_fwd + ce
+    memory = (L + k) * mem_fwd + L * mem_bwd + sum(head_mem)
     g = train.grad_accum
-    forward = L * layer_fwd + head_fwd + ce / (1 + BACKWARD_OVER_FORWARD)
-    layer_bwd = bwd + 2 * attn_fwd + BACKWARD_OVER_FORWARD * mem_fwd
+    forward = L * layer_fwd + head_fwd + head_mem[0]
+    layer_bwd = bwd + 2 * attn_fwd + mem_bwd
     return StepCompute(g * gemm, g * attention, g * memory, g * k * layer_fwd, forward, layer_fwd, layer_bwd)

@@ -8,6 +8,10 @@ a step with, cached beside the collective profiles.
   picks: flash on H100/H200) forward and backward, TFLOP/s by sequence length and head width.
 - **Memory-bound work**: bytes/s of an element-wise kernel over a large tensor (norms, activations, residual adds,
   rotary embeddings and the optimizer are priced by the bytes they move).
+- **Whole layers**: a few Hugging Face LLaMA decoder layers' forward and backward, timed as training queues them.
+  The shape model prices each from the rest of the table; what the run took over that price is the table's
+  **in-training factor** (kernels among other kernels: clocks, caches and launch gaps an isolated kernel does not
+  see), which the shape model applies, measured, where it would otherwise be fitted.
 
 Times are CUDA-event medians after warm-up; on a CPU the same code runs small sizes (tests), never a real table.
 """
@@ -27,6 +31,11 @@ FORMAT = "lins_ds.compute/1"
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 ATTENTION_SEQS = (1024, 2048, 4096, 8192)
 HEAD_DIMS = (64, 128)
+# reference decoder layers (hidden, intermediate, heads, kv heads, sequence, micro-batch): 1B-, 3B- and 7B-like
+# widths at 4096-8192 tokens, large enough that the GPU, not the host, sets their pace
+LAYER_SHAPES = ((2048, 5632, 16, 16, 4096, 2), (2560, 6912, 20, 20, 4096, 1), (4096, 11008, 32, 32, 2048, 2))
+GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "matmul")
+ATTENTION_KERNELS = ("flash", "fmha", "sdpa", "attention", "attn")
 
 
 def _timer(device: torch.device):
@@ -53,8 +62,9 @@ def _timer(device: torch.device):
 
 
 def gemm_table(device: torch.device, dtype: torch.dtype, sizes=GEMM_SIZES, reps: int = 5,
-               max_flops: float = 2e13) -> list:
-    """[{"m", "n", "k", "tflops"}] for every (m, n, k) of ``sizes`` whose FLOPs stay under ``max_flops``."""
+               max_flops: float = 2e13, inner: int = 1) -> list:
+    """[{"m", "n", "k", "tflops"}] for every (m, n, k) of ``sizes`` whose FLOPs stay under ``max_flops``, each GEMM
+    timed alone (``inner`` > 1: that many back to back between the events)."""
     timed = _timer(device)
     out = []
     for m in sizes:
@@ -65,9 +75,9 @@ def gemm_table(device: torch.device, dtype: torch.dtype, sizes=GEMM_SIZES, reps:
                     continue
                 a = torch.randn(m, k, device=device, dtype=dtype)
                 b = torch.randn(k, n, device=device, dtype=dtype)
-                fn = lambda a=a, b=b: torch.matmul(a, b)  # noqa: E731
+                fn = lambda a=a, b=b: [torch.matmul(a, b) for _ in range(inner)]  # noqa: E731
                 fn()
-                s = timed(fn, reps)
+                s = timed(fn, reps) / inner
                 out.append({"m": m, "n": n, "k": k, "tflops": flops / s / 1e12})
     return out
 
@@ -109,6 +119,76 @@ def bandwidth_gbs(device: torch.device, dtype: torch.dtype, elems: int = 1 << 28
     return 2 * elems * x.element_size() / s / 1e9
 
 
+def _decoder_layer(device: torch.device, dtype: torch.dtype, shape: tuple):
+    """(run, modules): one ``LlamaDecoderLayer`` of ``shape`` with its input, and a function that runs its forward
+    and backward ``n`` times back to back (gradients set to none first, as an optimizer step leaves them)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    h, i, heads, kv_heads, seq, mb = shape
+    cfg = LlamaConfig(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      num_hidden_layers=1, max_position_embeddings=max(seq, 4096), vocab_size=32000)
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dtype)
+    x = torch.randn(mb, seq, h, device=device, dtype=dtype, requires_grad=True)
+    with torch.no_grad():
+        pos = LlamaRotaryEmbedding(cfg).to(device)(x, torch.arange(seq, device=device)[None])
+    grad = torch.randn_like(x)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            out = layer(x, position_embeddings=pos)
+            (out[0] if isinstance(out, tuple) else out).backward(grad)
+    return run
+
+
+def kernel_split(device: torch.device, fn) -> dict:
+    """Seconds of GPU kernels of one call of ``fn`` by kind (``gemm``, ``attention``, ``other``), from
+    torch.profiler's kernel events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for e in prof.events():  # the kernels (and copies, memsets) as the device ran them; not the annotations
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.is_user_annotation:
+            continue
+        name = e.name.lower()
+        kind = ("gemm" if any(k in name for k in GEMM_KERNELS) else
+                "attention" if any(k in name for k in ATTENTION_KERNELS) else "other")
+        split[kind] += e.self_device_time_total / 1e6  # microseconds
+    return split
+
+
+def layer_table(device: torch.device, dtype: torch.dtype, shapes=LAYER_SHAPES, reps: int = 5, inner: int = 4,
+                split: bool = False) -> list:
+    """[{"hidden", "intermediate", "heads", "kv_heads", "seq", "micro_batch", "seconds"}]: one Hugging Face LLaMA
+    decoder layer's forward and backward (eager, SDPA attention) per shape, ``inner`` times back to back between two
+    events (the kernels queue as in training: no launch gap is timed), median of ``reps``; with ``split``, also its
+    kernels' seconds by kind (``kernel_split``). Empty where transformers is not installed."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return []
+    timed = _timer(device)
+    out = []
+    for shape in shapes:
+        run = _decoder_layer(device, dtype, shape)
+        run(2)
+        row = dict(zip(("hidden", "intermediate", "heads", "kv_heads", "seq", "micro_batch"), shape))
+        row["seconds"] = timed(lambda run=run: run(inner), reps) / inner
+        if split and device.type == "cuda":
+            row["kernels_s"] = kernel_split(device, lambda run=run: run(1))
+        out.append(row)
+        run = None  # the layer's memory goes before the next one's
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def measure(device: torch.device, dtype: torch.dtype = torch.bfloat16, quick: bool = False) -> dict:
     """The whole table for ``device`` (``quick``: tiny sizes, for CPUs and tests)."""
     t0 = time.perf_counter()
@@ -116,11 +196,14 @@ def measure(device: torch.device, dtype: torch.dtype = torch.bfloat16, quick: bo
         gemms = gemm_table(device, dtype, sizes=(32, 64), reps=2)
         attn = attention_table(device, dtype, seqs=(32, 64), head_dims=(16,), tokens=128, reps=2)
         bw = bandwidth_gbs(device, dtype, elems=1 << 16, reps=2)
+        layers = layer_table(device, dtype, shapes=((64, 128, 4, 2, 32, 1),), reps=2, inner=1)
     else:
         gemms, attn, bw = gemm_table(device, dtype), attention_table(device, dtype), bandwidth_gbs(device, dtype)
+        layers = layer_table(device, dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"format": FORMAT, "device": name, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
-            "gemm": gemms, "attention": attn, "bandwidth_gbs": bw, "measured_s": time.perf_counter() - t0,
+            "gemm": gemms, "attention": attn, "bandwidth_gbs": bw, "layers": layers,
+            "measured_s": time.perf_counter() - t0,
             "source": f"measured on {name}"}
 
 
@@ -148,9 +231,14 @@ def main(argv: Optional[list] = None) -> int:
     save(table, args.out)
     rates = [g["tflops"] for g in table["gemm"]]
     attn = ", ".join("%d: %.0f" % (a["seq"], a["tflops"]) for a in table["attention"])
+    from ..plan.compute_model import ComputeTable, in_training_factor
+
+    factor = in_training_factor(ComputeTable.from_json(table))
+    layers = (f"{len(table['layers'])} whole layers at {factor:.3f} of their price (the in-training factor)"
+              if table["layers"] else "no whole layers timed (transformers not installed)")
     print(f"compute table of {table['device']}: {len(rates)} GEMMs ({min(rates):.0f}-{max(rates):.0f} TFLOP/s), "
-          f"attention by seq {attn} TFLOP/s, {table['bandwidth_gbs']:.0f} GB/s; {table['measured_s']:.0f} s "
-          f"-> {args.out}")
+          f"attention by seq {attn} TFLOP/s, {table['bandwidth_gbs']:.0f} GB/s, {layers}; "
+          f"{table['measured_s']:.0f} s -> {args.out}")
     return 0
 
 
