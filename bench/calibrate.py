@@ -272,6 +272,14 @@ def _update_column(system: str, key: str) -> str:
     return "update:lins" if system == "lins" else "update:deepspeed"
 
 
+def _update_factor(coef: dict, system: str) -> Optional[float]:
+    """A system's fitted update factor: its implementation's (Lins' or DeepSpeed's); where the runs had none of that
+    implementation, the other's (closer than the byte model's 1, which prices the step 3-4 times too cheap)."""
+    own = _update_column(system, "shape")
+    other = "update:deepspeed" if own == "update:lins" else "update:lins"
+    return coef.get(own, coef.get(other, coef.get("update")))
+
+
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares (Lawson and Hanson's active set), columns scaled to unit norm."""
     norms = np.linalg.norm(a, axis=0)
@@ -381,7 +389,7 @@ def _overheads(coef: dict, efficiency: dict, source: str, cluster: str, host_s: 
     out = {}
     for s in SYSTEMS:
         terms = {"comm_factor": coef.get(f"comm:{s}"), "overlap_factor": coef.get(f"overlap:{s}"),
-                 "update_factor": coef.get(_update_column(s, "shape"), coef.get("update")),
+                 "update_factor": _update_factor(coef, s),
                  "per_fetch_s": coef.get("fetch") if s in FETCH_SYSTEMS else None,
                  "per_fetch_byte_s": coef.get("fetch_byte") if s in FETCH_SYSTEMS else None,
                  "per_layer_s": coef.get(f"layer:{s}"), "per_step_s": coef.get(f"step:{s}"),

@@ -155,7 +155,8 @@ def _shape_compute(args, overheads, terms_from: str) -> tuple:
         table = ComputeTable.load(path)
     factor = overheads.compute["shape"]
     compute = replace(cluster.compute(), table=table, achievable_mfu=factor)
-    how = ("measured by the calibration table's timed layers" if ComputeTable.from_json(overheads.compute_table).layers
+    own = ComputeTable.from_json(overheads.compute_table)
+    how = (f"measured by the timed layers of the calibration's own table ({own.device})" if own.layers
            else "fitted to GPU runs")
     note = (f"compute from each model's shape: the {table.device} table ({table.source}) at the factor {factor:.3f} "
             f"{how} ({terms_from})")

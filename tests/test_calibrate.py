@@ -131,6 +131,9 @@ def test_a_table_with_timed_layers_holds_the_compute_factor_it_measured(tmp_path
     assert got.compute["shape"] == pytest.approx(1.0 / f, rel=1e-9)
     assert got.terms("lins")["update_factor"] == pytest.approx(2.5, rel=1e-3)
     assert got.terms("zero1")["update_factor"] == got.terms("zero3")["update_factor"] == pytest.approx(3.0, rel=1e-3)
+    # runs of Lins alone: DeepSpeed's systems take Lins' update factor, not the byte model's 1
+    only = C.fit([r for r in runs if r.system == "lins"], _tables(), compute)
+    assert only.terms("zero1")["update_factor"] == only.terms("lins")["update_factor"] == pytest.approx(2.5, rel=1e-3)
     # the same runs taken 10 % slower: the measured factor stays, the other terms take what it does not price
     slower = [replace(r, step_s=1.1 * r.step_s) for r in runs]
     assert C.fit(slower, _tables(), compute).compute["shape"] == pytest.approx(1.0 / f, rel=1e-9)

@@ -31,6 +31,16 @@ def test_a_flat_table_prices_the_model_flops():
     # causal: half of the 12 x layers x hidden x seq FLOPs per token that MFU counts
     assert c.attention_s == pytest.approx(6 * model.num_layers * model.hidden * 2048 * 2048 / 300e12, rel=1e-6)
     assert c.recompute_s == 0 and c.memory_s > 0
+    # one micro-batch's forward: its layers, the LM head's GEMM and the loss's forward bytes (HEAD_BYTES: the final
+    # norm's 38 bytes per hidden unit and token, 20 per logit)
+    head = 2 * 2048 * model.vocab * model.hidden / 500e12 + (38 * model.hidden + 20 * model.vocab) * 2048 / 4000e9
+    assert c.forward_s == pytest.approx(model.num_layers * c.layer_forward_s + head, rel=1e-9)
+    # bench layer-split's price of one layer: the model's less its head, per layer
+    from bench.layer_split import priced
+
+    one = priced(_flat(), {"model": "7b", "seq": 2048, "micro_batch": 1})
+    assert one["gemm"] == pytest.approx(6 * model.layer_params(active=True) * 2048 / 500e12, rel=0.01)
+    assert one["total"] == pytest.approx(c.layer_forward_s + c.layer_backward_s)
 
 
 def test_checkpointed_layers_run_their_forward_again_and_micro_batches_add_up():
@@ -97,13 +107,12 @@ def test_the_in_training_factor_is_what_timed_layers_took_over_their_price():
     assert in_training_factor(ComputeTable.load(H200_LAYERS)) == pytest.approx(1.023, abs=1e-3)
 
 
-def _counted_bytes(cfg, tokens: int) -> tuple:
+def _counted_bytes(model_cls, cfg, tokens: int) -> tuple:
     """(forward, backward) bytes per token that the non-GEMM, non-attention aten ops of a Hugging Face causal LM
     read and write (every tensor argument and result of each op that is not a view), run on the CPU."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
-    from transformers import LlamaForCausalLM
 
     skip = {"mm", "addmm", "bmm", "matmul", "linear", "t", "transpose", "view", "_unsafe_view", "expand", "detach",
             "empty", "empty_like", "zeros", "zeros_like", "ones_like", "new_empty", "new_zeros", "empty_strided",
@@ -122,7 +131,7 @@ def _counted_bytes(cfg, tokens: int) -> tuple:
 
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = model_cls(cfg).to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, tokens))
     fwd, bwd = Count(), Count()
     with fwd:
@@ -136,21 +145,29 @@ def test_the_memory_bound_bytes_are_those_hugging_face_layers_move():
     """The shape model's element-wise traffic (``ELEMENTWISE_BYTES``, ``HEAD_BYTES``) is what the installed
     transformers' LLaMA moves through its non-GEMM kernels, counted op by op on the CPU for shapes of other widths,
     depths, KV heads and vocabularies: a new transformers whose layers move other bytes fails here."""
-    from transformers import LlamaConfig
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from lins_ds.plan.compute_model import ELEMENTWISE_BYTES, HEAD_BYTES
     from lins_ds.plan.model import ModelSpec
 
-    for h, i, heads, kv, layers, vocab in ((384, 1024, 6, 6, 3, 1000), (512, 1536, 8, 2, 2, 768)):
-        cfg = LlamaConfig(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv,
-                          num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=False)
-        spec = ModelSpec("m", "llama", layers, h, i, vocab, heads, kv)
-        fwd, bwd = _counted_bytes(cfg, 512)
+    # widths apart, intermediate-to-hidden ratios apart (2, 4, 2.7), KV heads, depths and vocabularies
+    for arch, h, i, heads, kv, layers, vocab in (("llama", 384, 1536, 6, 6, 3, 1000), ("llama", 512, 1024, 8, 2, 2, 768),
+                                                 ("llama", 768, 2048, 12, 4, 1, 512), ("gpt2", 384, 1536, 6, 6, 2, 1000),
+                                                 ("gpt2", 512, 1024, 8, 8, 1, 768)):
+        if arch == "llama":
+            cfg, cls = LlamaConfig(hidden_size=h, intermediate_size=i, num_attention_heads=heads,
+                                   num_key_value_heads=kv, num_hidden_layers=layers, vocab_size=vocab,
+                                   tie_word_embeddings=False), LlamaForCausalLM
+        else:  # attention dropout off: a GPU's flash kernel applies it inside (see ELEMENTWISE_BYTES)
+            cfg, cls = GPT2Config(n_embd=h, n_inner=i, n_head=heads, n_layer=layers, vocab_size=vocab,
+                                  n_positions=512, bos_token_id=0, eos_token_id=0, attn_pdrop=0.0), GPT2LMHeadModel
+        spec = ModelSpec("m", arch, layers, h, i, vocab, heads, kv)
+        fwd, bwd = _counted_bytes(cls, cfg, 512)
         for got, way, w in ((fwd, "forward", 0), (bwd, "backward", 1)):
-            c = ELEMENTWISE_BYTES["llama"][way]
+            c = ELEMENTWISE_BYTES[arch][way]
             model = (layers * (c["hidden"] * h + c["intermediate"] * i + c["kv"] * spec.kv_dim)
-                     + HEAD_BYTES["llama"]["hidden"][w] * h + HEAD_BYTES["llama"]["logit"][w] * vocab)
-            assert model == pytest.approx(got, rel=0.03), (h, i, kv, layers, vocab, way)
+                     + HEAD_BYTES[arch]["hidden"][w] * h + HEAD_BYTES[arch]["logit"][w] * vocab)
+            assert model == pytest.approx(got, rel=0.03), (arch, h, i, kv, layers, vocab, way)
 
 
 def test_held_out_shapes_on_one_h200(capsys):

@@ -134,7 +134,7 @@ def test_a_shape_model_calibration_carries_its_compute_model_and_says_which(caps
     assert main(args + ["--cluster", "a800-ib"]) == 0
     a800 = json.loads(capsys.readouterr().out)
     assert "A800-80GB (derived) table (derived, not measured" in a800["calibration"]
-    assert "measured by the calibration table's timed layers" in a800["calibration"]  # call 20's in-training factor
+    assert "measured by the timed layers of the calibration's own table (NVIDIA H200)" in a800["calibration"]
     assert f"factor {Overheads.from_json(json.load(open(cal))['meta']['simulator']['overheads']).compute['shape']:.3f}" in a800["calibration"]
     assert main(args + ["--gpu-memory-gb", "139"]) == 0
     h200 = json.loads(capsys.readouterr().out)

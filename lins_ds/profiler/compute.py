@@ -157,8 +157,8 @@ def kernel_split(device: torch.device, fn) -> dict:
         if e.device_type != torch.autograd.DeviceType.CUDA or e.is_user_annotation:
             continue
         name = e.name.lower()
-        kind = ("gemm" if any(k in name for k in GEMM_KERNELS) else
-                "attention" if any(k in name for k in ATTENTION_KERNELS) else "other")
+        kind = ("attention" if any(k in name for k in ATTENTION_KERNELS) else  # first: fmha_cutlass is attention
+                "gemm" if any(k in name for k in GEMM_KERNELS) else "other")
         split[kind] += e.self_device_time_total / 1e6  # microseconds
     return split
 
