@@ -11,8 +11,9 @@ The table comes from ``python -m lins_ds.profiler.compute`` (``lins-ds profile -
 whole layers as training queues them: what they took over this model's price is the table's in-training factor
 (``in_training_factor``), the share of a step's kernels the isolated rates miss. On one H200 a layer's GEMMs take
 0.58-0.93 of their isolated time among other kernels (median 0.79) and its element-wise kernels reach about 63 %
-of the streaming bandwidth; the two nearly cancel (the factor is 1.02). One layer of each of 23 shapes whose kernels set its pace
-(20 of the grid's, the 2.9B's, the 1B's, the 7B's) took 0.96-1.04 of its price with the factor; three narrow ones
+of the streaming bandwidth; the two nearly cancel (the factor is 1.02). One layer of each of 23 shapes whose
+kernels set its pace (20 of the grid's, the 2.9B's, the 1B's, the 7B's) took 0.96-1.04 of its price with the
+factor; three narrow ones
 took 1.42-1.51, presumably waiting for their launches (``python -m bench layer-split``,
 bench/results/simulate/shapes/call20). Pure Python here, no torch.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 
 from .model import ModelSpec
@@ -144,9 +146,7 @@ def in_training_factor(table: ComputeTable) -> float:
     transformers)."""
     if not table.layers:
         return 1.0
-    ratios = sorted(row[-1] / layer_price_s(table, *row[:-1]) for row in table.layers)
-    mid = len(ratios) // 2
-    return ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
+    return statistics.median(row[-1] / layer_price_s(table, *row[:-1]) for row in table.layers)
 
 
 @dataclass(frozen=True)

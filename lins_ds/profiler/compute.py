@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from ..plan.compute_model import LAYER_KEYS, ComputeTable, in_training_factor
+
 FORMAT = "lins_ds.compute/1"
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 ATTENTION_SEQS = (1024, 2048, 4096, 8192)
@@ -120,8 +122,8 @@ def bandwidth_gbs(device: torch.device, dtype: torch.dtype, elems: int = 1 << 28
 
 
 def _decoder_layer(device: torch.device, dtype: torch.dtype, shape: tuple):
-    """(run, modules): one ``LlamaDecoderLayer`` of ``shape`` with its input, and a function that runs its forward
-    and backward ``n`` times back to back (gradients set to none first, as an optimizer step leaves them)."""
+    """``run(n)``: one ``LlamaDecoderLayer`` of ``shape`` and its input, its forward and backward run ``n`` times back
+    to back (gradients set to none first, as an optimizer step leaves them)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -178,7 +180,7 @@ def layer_table(device: torch.device, dtype: torch.dtype, shapes=LAYER_SHAPES, r
     for shape in shapes:
         run = _decoder_layer(device, dtype, shape)
         run(2)
-        row = dict(zip(("hidden", "intermediate", "heads", "kv_heads", "seq", "micro_batch"), shape))
+        row = dict(zip(LAYER_KEYS, shape))  # the table's layer fields, "seconds" added below
         row["seconds"] = timed(lambda run=run: run(inner), reps) / inner
         if split and device.type == "cuda":
             row["kernels_s"] = kernel_split(device, lambda run=run: run(1))
@@ -231,8 +233,6 @@ def main(argv: Optional[list] = None) -> int:
     save(table, args.out)
     rates = [g["tflops"] for g in table["gemm"]]
     attn = ", ".join("%d: %.0f" % (a["seq"], a["tflops"]) for a in table["attention"])
-    from ..plan.compute_model import ComputeTable, in_training_factor
-
     factor = in_training_factor(ComputeTable.from_json(table))
     layers = (f"{len(table['layers'])} whole layers at {factor:.3f} of their price (the in-training factor)"
               if table["layers"] else "no whole layers timed (transformers not installed)")
