@@ -37,6 +37,18 @@ def test_probe_measures_what_a_layer_and_the_head_keep():
     assert 0.4 < half.layer_saved / prof.layer_saved < 0.75  # bf16 halves most of it (norms upcast to fp32)
 
 
+def test_probe_drops_a_kv_cache_handed_to_the_layer_by_position():
+    """GPT-2's blocks take the cache second, positionally: kept, the plain run appended its keys to it and the
+    checkpointed run attended to them and failed (on every GPU start-up of a GPT-2 under Lins)."""
+    from lins_ds.runtime import memory_probe
+
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=128)
+    for attn in ("sdpa", "eager"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+        prof = memory_probe.probe(model, list(model.transformer.h), 2, 64, 512, torch.device("cpu"))
+        assert prof.layer_saved > 20 * prof.layer_saved_ckpt >= 20 * 128 * 64 * 4, attn
+
+
 def test_probe_runs_a_meta_built_model_without_materialising_it():
     real, _, _ = probe_tiny()
     meta, model, ids = probe_tiny(meta=True)

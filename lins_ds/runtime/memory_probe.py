@@ -123,13 +123,19 @@ def _capture_layer_inputs(model: nn.Module, layer: nn.Module, batch: dict) -> tu
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")  # HF's names for a KV cache
 
 
+def _is_cache(value) -> bool:
+    """A Hugging Face KV cache object (``transformers.cache_utils.Cache``), however the layer is handed it."""
+    return any(c.__name__ == "Cache" and c.__module__.endswith("cache_utils") for c in type(value).__mro__)
+
+
 def _hidden_first(args, kwargs) -> tuple:
-    """The layer call with its hidden states as a fresh leaf that requires grad, and no KV cache (each
-    probe run would append to the cache the capture made)."""
-    kwargs = {k: (None if k in CACHE_KWARGS else v) for k, v in kwargs.items()}
+    """The layer call with its hidden states as a fresh leaf that requires grad, and no KV cache, by keyword or
+    by position (GPT-2's blocks take it second): each probe run would append its keys and values to the cache
+    the capture made, and the next run attend to them and backward through the run before's freed graph."""
+    kwargs = {k: (None if k in CACHE_KWARGS or _is_cache(v) else v) for k, v in kwargs.items()}
     if args:
         x = args[0].detach().clone().requires_grad_(True)
-        return x, (x,) + tuple(args[1:]), kwargs
+        return x, (x,) + tuple(None if _is_cache(a) else a for a in args[1:]), kwargs
     x = kwargs["hidden_states"].detach().clone().requires_grad_(True)
     return x, (), {**kwargs, "hidden_states": x}
 
