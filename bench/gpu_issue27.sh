@@ -20,6 +20,9 @@
 # GRID=15 (STEPS=10 WARMUP=4): six GPU-bound grid shapes by phase (--breakdown), both systems: the optimizer step of
 # each apart from its forward and backward. Before it, for the compute term alone, run
 # `python -m bench layer-split --out $OUT/layers` (one layer of every shape, timed and split by kernel kind).
+# GRID=16 (STEPS=10 WARMUP=4): four models of other families (bench/models/family-*.json: GPT-2, Qwen2, two Qwen3 with
+# their norms of queries and keys, one with heads x head_dim twice its hidden width), each built as its own Hugging
+# Face class, both systems; the reference shape first.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -59,6 +62,9 @@ declare -A SPEC=(  # base name: model, sequence, micro-batch [--checkpointing]
   [s5k]="shape-h5120-l8 4096 1 --breakdown" [n5k]="shape-h3072-l12 4096 1 --checkpointing --breakdown"
   [s2k]="shape-h2048-l12 4096 2 --breakdown" [n12k]="shape-h2560-l16 4096 1 --breakdown"
   [n7k]="shape-h5120-l6-kv8 1024 4 --breakdown" [s8k]="shape-h4096-l4 8192 1 --breakdown"
+  # other families (GRID=16): never fitted, priced with the shape model as it stands
+  [f1]="family-gpt2-h1600-l24 2048 4" [f2]="family-qwen2-h1536-l28 4096 2"
+  [f3]="family-qwen3-h2048-l28 2048 4 --checkpointing" [f4]="family-qwen3-h1024-l28 4096 2"
 )
 case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   1) RUNS="ref:ref s2:s2 s3:s3 s4:s4 s5:s5 s6:s6 s7:s7 s8:s8 s9:s9 ref2:ref" ;;
@@ -82,7 +88,8 @@ case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   # ckpt) and the same without checkpointing, by phase (STEPS=12 WARMUP=4)
   14) RUNS="hb1:hb1 hb1c:hb1c hb2:hb2 hb2c:hb2c hb3:hb3 hb3c:hb3c n13k:n13k n13n:n13n" ;;
   15) RUNS="s5k:s5k n5k:n5k s2k:s2k n12k:n12k n7k:n7k s8k:s8k" ;;  # GPU-bound shapes, forward, backward, step apart
-  *) echo "GRID=${GRID}: 1 to 15" >&2; exit 2 ;;
+  16) RUNS="ref17:ref f1:f1 f2:f2 f3:f3 f4:f4" ;;
+  *) echo "GRID=${GRID}: 1 to 16" >&2; exit 2 ;;
 esac
 # The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
 nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \

@@ -31,14 +31,22 @@ EXTRA = (("bench/models/llama-2.9b.json", 4096, 2), ("1b", 2048, 2), ("7b", 2048
 
 
 def shapes() -> list:
-    """[(model, seq, micro-batch)]: every shape the grid ran (its runs' JSONs, gas 1) and ``EXTRA``."""
+    """[(model, seq, micro-batch)]: every LLaMA shape the grid ran (its runs' JSONs, gas 1) and ``EXTRA``; the other
+    families (``family-*.json``) are left out, the layers timed here being LLaMA's (``compute.layer_table``)."""
     seen = []
     for path in sorted(glob.glob(os.path.join(SHAPES, "call*", "*_lins.json"))):
         r = json.load(open(path))
         key = (r["model"], r["seq_len"], r["samples_per_gpu_per_step"])
-        if "median_step_s" in r and r["seq_len"] >= 1024 and key not in seen:
+        if "median_step_s" in r and r["seq_len"] >= 1024 and key not in seen and _is_llama(r["model"]):
             seen.append(key)
     return seen + [e for e in EXTRA if e not in seen]
+
+
+def _is_llama(name: str) -> bool:
+    if not name.endswith(".json"):
+        return True  # a planner built-in: LLaMA shapes
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return json.load(f).get("model_type", "llama") == "llama"
 
 
 def _model(name: str):

@@ -52,6 +52,9 @@ def load(dirs: list) -> list:
             r = json.load(open(path))
             if "median_step_s" not in r:
                 continue
+            if r.get("world_size", 1) != 1:
+                raise ValueError(f"{path}: a run on {r['world_size']} ranks; these are one-GPU runs (give 2-GPU "
+                                 f"runs as python -m bench run results)")
             name, system = os.path.basename(path)[:-5].rsplit("_", 1)
             plan = r.get("plan")
             ckpt = plan.get("activation_checkpointing_units") if plan else None

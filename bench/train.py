@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     import deepspeed
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="a planner built-in: tiny, 1b, 7b, 13b, 30b, 65b")
+    p.add_argument("--model", default="tiny", help="a planner built-in (tiny, 1b, 7b, 13b, 30b, 65b) or a "
+                   "config.json (LLaMA, or any model type the planner models: built as its own Hugging Face class)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the timing summary")
@@ -120,15 +121,35 @@ def setup_device() -> torch.device:
     return torch.device("cpu")
 
 
+def build_model(name: str, seq_len: int):
+    """A LLaMA built-in or LLaMA ``config.json`` as ``LlamaForCausalLM`` with the planner's shapes (as every run of
+    the shape grid was built); any other ``config.json`` as its own Hugging Face class (``model_type``: GPT-2, Qwen,
+    Mistral, ...), SDPA attention."""
+    import transformers
+
+    spec = load_model(name)
+    cfg = None
+    if os.path.exists(name):
+        with open(os.path.join(name, "config.json") if os.path.isdir(name) else name, encoding="utf-8") as f:
+            cfg = json.load(f)
+    if cfg is None or cfg.get("model_type", "llama") == "llama":
+        return transformers.LlamaForCausalLM(llama_config(name, seq_len))
+    if spec.max_positions and spec.max_positions < seq_len:
+        raise SystemExit(f"--seq-len {seq_len}: {name} learns {spec.max_positions} positions (n_positions); "
+                         f"give a sequence no longer")
+    cfg = {k: v for k, v in cfg.items() if k != "architectures"}
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
 def build_engine(args, ds_config: dict, device: torch.device):
     """The model built the way its mode wants (ZeRO-3 and Lins: sharded as it is built), then the engine."""
     import deepspeed
-    import transformers
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with model_init_context(ds_config, device):
-        model = transformers.LlamaForCausalLM(llama_config(args.model, args.seq_len))
+        model = build_model(args.model, args.seq_len)
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

@@ -126,3 +126,30 @@ def test_the_host_probe_prices_each_host_bound_run_at_the_host_it_ran_on(capsys)
     per_model = os.path.join(root, "bench/results/simulate/calibrated/profile_1host.json")
     assert main(["host-probe", probe, "--profile", per_model]) != 0
     assert f"{per_model}: no shape-model terms with a measured host" in capsys.readouterr().err
+
+
+def test_a_config_of_another_family_is_built_as_its_own_hugging_face_class(tmp_path):
+    """``bench/train.py --model config.json``: a LLaMA config as ``LlamaForCausalLM`` with the planner's shapes (as
+    the shape grid was built), any other model type as its own class (the families of ``gpu_issue27.sh`` GRID=16);
+    a GPT-2 asked for a sequence beyond the positions it learns is refused before anything is built."""
+    from bench.train import build_model
+
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 500,
+                                "n_positions": 128}))
+    model = build_model(str(gpt2), 64)
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.config.vocab_size == 500
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(SystemExit, match="--seq-len 256: .* learns 128 positions"):
+        build_model(str(gpt2), 256)
+    tiny = tmp_path / "qwen3.json"  # the families' full sizes are GPU work: a tiny Qwen3 stands in
+    tiny.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
+                                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "head_dim": 32, "vocab_size": 256}))
+    model = build_model(str(tiny), 64)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.model.layers[0].self_attn.q_norm is not None
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+                                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                 "vocab_size": 256}))
+    assert type(build_model(str(llama), 64)).__name__ == "LlamaForCausalLM"

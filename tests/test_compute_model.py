@@ -145,28 +145,37 @@ def test_the_memory_bound_bytes_are_those_hugging_face_layers_move():
     """The shape model's element-wise traffic (``ELEMENTWISE_BYTES``, ``HEAD_BYTES``) is what the installed
     transformers' LLaMA moves through its non-GEMM kernels, counted op by op on the CPU for shapes of other widths,
     depths, KV heads and vocabularies: a new transformers whose layers move other bytes fails here."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from lins_ds.plan.compute_model import ELEMENTWISE_BYTES, HEAD_BYTES
     from lins_ds.plan.model import ModelSpec
 
-    # widths apart, intermediate-to-hidden ratios apart (2, 4, 2.7), KV heads, depths and vocabularies
+    # widths apart, intermediate-to-hidden ratios apart (2, 4, 2.7), KV heads, depths and vocabularies; a Qwen3 with
+    # its heads wider than hidden / heads (head_dim 96) and its queries' and keys' norms
     for arch, h, i, heads, kv, layers, vocab in (("llama", 384, 1536, 6, 6, 3, 1000), ("llama", 512, 1024, 8, 2, 2, 768),
                                                  ("llama", 768, 2048, 12, 4, 1, 512), ("gpt2", 384, 1536, 6, 6, 2, 1000),
-                                                 ("gpt2", 512, 1024, 8, 8, 1, 768)):
+                                                 ("gpt2", 512, 1024, 8, 8, 1, 768), ("qwen3", 384, 1024, 6, 2, 2, 768)):
+        head_dim = 96 if arch == "qwen3" else 0
         if arch == "llama":
             cfg, cls = LlamaConfig(hidden_size=h, intermediate_size=i, num_attention_heads=heads,
                                    num_key_value_heads=kv, num_hidden_layers=layers, vocab_size=vocab,
                                    tie_word_embeddings=False), LlamaForCausalLM
+        elif arch == "qwen3":
+            cfg, cls = Qwen3Config(hidden_size=h, intermediate_size=i, num_attention_heads=heads, head_dim=head_dim,
+                                   num_key_value_heads=kv, num_hidden_layers=layers, vocab_size=vocab,
+                                   tie_word_embeddings=False), Qwen3ForCausalLM
         else:  # attention dropout off: a GPU's flash kernel applies it inside (see ELEMENTWISE_BYTES)
             cfg, cls = GPT2Config(n_embd=h, n_inner=i, n_head=heads, n_layer=layers, vocab_size=vocab,
                                   n_positions=512, bos_token_id=0, eos_token_id=0, attn_pdrop=0.0), GPT2LMHeadModel
-        spec = ModelSpec("m", arch, layers, h, i, vocab, heads, kv)
+        spec = ModelSpec("m", "gpt2" if arch == "gpt2" else "llama", layers, h, i, vocab, heads, kv,
+                         head_dim=head_dim, qk_norm=arch == "qwen3")
         fwd, bwd = _counted_bytes(cls, cfg, 512)
         for got, way, w in ((fwd, "forward", 0), (bwd, "backward", 1)):
-            c = ELEMENTWISE_BYTES[arch][way]
-            model = (layers * (c["hidden"] * h + c["intermediate"] * i + c["kv"] * spec.kv_dim)
-                     + HEAD_BYTES[arch]["hidden"][w] * h + HEAD_BYTES[arch]["logit"][w] * vocab)
+            c, head = ELEMENTWISE_BYTES[spec.arch][way], HEAD_BYTES[spec.arch]
+            qk = c["qk_norm"] * (spec.q_dim + spec.kv_dim) if spec.qk_norm else 0
+            wide = c.get("q", 0) * (spec.q_dim - h)
+            model = (layers * (c["hidden"] * h + c["intermediate"] * i + c["kv"] * spec.kv_dim + wide + qk)
+                     + head["hidden"][w] * h + head["logit"][w] * vocab)
             assert model == pytest.approx(got, rel=0.03), (arch, h, i, kv, layers, vocab, way)
 
 
@@ -185,6 +194,23 @@ def test_held_out_shapes_on_one_h200(capsys):
     assert zero1.startswith("held out: 22 of 23 within 10 %"), out
     clocks = [line for line in out.splitlines() if line.startswith("call8/ref9_zero1:")]
     assert clocks and "SM clock 1980-1980 MHz" in clocks[0] and "throttled by: none" in clocks[0], out
+
+
+def test_models_of_other_families_on_one_h200(capsys):
+    """Never fitted: a GPT-2, a Qwen2 and two Qwen3 (their norms of queries and keys; one with heads x head_dim twice
+    its hidden width), each built as its own Hugging Face class, two calls (calls 24-25), priced by the committed
+    calibration. The GPT-2 under Lins is 14 % under: its LM head's GEMMs, over a vocabulary of 50257 (not a multiple
+    of 8), ran at about 120 TFLOP/s in call 26's trace, which the table (aligned sizes) does not price."""
+    from bench.__main__ import main
+
+    cal = os.path.join(ROOT, "bench/results/simulate/calibrated_shape/profile_1host.json")
+    assert main(["simulate", "--validate", os.path.join(SHAPES, "call24"), os.path.join(SHAPES, "call25"),
+                 "--profile", cal, "--format", "json"]) == 0
+    modes = {m["mode"]: m["error_pct"] for m in json.loads(capsys.readouterr().out)["modes"] if "family" in m["mode"]}
+    assert len(modes) == 8
+    misses = {mode for mode, err in modes.items() if abs(err) > 10}
+    assert misses == {"family-gpt2-h1600-l24 1-GPU lins ckpt 0 P=1x1 G=1x1 OS=1x1"}, modes
+    assert -16 < modes.pop(misses.pop()) < -12
 
 
 def test_clock_lines_pick_the_samples_within_the_timed_steps(tmp_path):

@@ -36,9 +36,13 @@ FORMAT = "lins_ds.compute/1"
 # them. A LLaMA layer's are mostly its two RMSNorms, which run in fp32 (cast, square, mean, scale, cast back, the
 # weight: about 36 bytes per hidden unit each, forward), then rotary embedding on queries and keys, the gated
 # activation and the residual adds; autograd's backward of the same ops moves about 2.4 times the forward.
+# "q": per unit of query width beyond the hidden one, where heads x head_dim is not hidden (Qwen3-0.6B, Gemma): the
+# queries' rotary embedding and the attention output (a least-squares count over LLaMAs of eight head widths).
+# "qk_norm": Qwen3's (and Gemma 3's) RMSNorm of each head's queries and keys, per unit of the query and key widths
+# (q_dim + kv_dim), counted the same way against a LLaMA of the same shapes: an fp32 RMSNorm again.
 ELEMENTWISE_BYTES = {
-    "llama": {"forward": {"hidden": 106, "intermediate": 10, "kv": 28},
-              "backward": {"hidden": 256, "intermediate": 18, "kv": 32}},
+    "llama": {"forward": {"hidden": 106, "intermediate": 10, "kv": 28, "q": 23, "qk_norm": 36},
+              "backward": {"hidden": 256, "intermediate": 18, "kv": 32, "q": 32, "qk_norm": 96}},
     # GPT-2 (LayerNorm, tanh GELU, residual dropout), counted without attention dropout: flash attention applies it
     # inside its kernel on a GPU, where the CPU's SDPA materialises the attention matrix for it
     "gpt2": {"forward": {"hidden": 56, "intermediate": 36, "kv": 0},
@@ -190,7 +194,9 @@ def _layer_bytes(model: ModelSpec, way: str) -> float:
     experts as one MLP of their width, as in ``_gemms``)."""
     i = model.intermediate * max(1, model.experts_per_token) + model.shared_intermediate
     c = ELEMENTWISE_BYTES[_arch(model)][way]
-    return c["hidden"] * model.hidden + c["intermediate"] * i + c["kv"] * model.kv_dim
+    qk = c.get("qk_norm", 0) * (model.q_dim + model.kv_dim) if model.qk_norm else 0
+    wide = c.get("q", 0) * (model.q_dim - model.hidden)  # 0 where heads x head_dim = hidden (LLaMA, GPT-2)
+    return c["hidden"] * model.hidden + c["intermediate"] * i + c["kv"] * model.kv_dim + wide + qk
 
 
 def step_compute(model: ModelSpec, train: TrainingSpec, table: ComputeTable, ckpt_units: int = 0) -> StepCompute:
