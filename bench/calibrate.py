@@ -16,9 +16,11 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
                                              ZeRO-3 family (ZeRO-3, ZeRO++ and MiCS run the same code); 0
                                              fetches for the others
          + overlap_factor[system] * overlapped   the boundary AllReduce and P-sync that Lins' executor hides
-                                             behind the last backward and the next forward (DeepSpeed's
-                                             communication is all taken as exposed): what of it the step
-                                             still pays (``simulate.boundary_overlap``)
+                                             behind the last backward and the next forward, and the boundary
+                                             reduction DeepSpeed's ZeRO-1 hides behind the last backward
+                                             (``overlap_comm``; ZeRO-2's within each backward is not priced,
+                                             the rest of DeepSpeed's is exposed): what of it the step still
+                                             pays (``simulate.boundary_overlap``)
 
 With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor: the one
 the table measured (its timed layers over their price, ``compute_model.in_training_factor``), held, where the table
@@ -533,7 +535,7 @@ def terms_text(overheads: Overheads) -> str:
     for s, fitted in overheads.systems.items():
         t = overheads.terms(s)
         own = (("comm_factor", "update_factor") + (("per_fetch_s", "per_fetch_byte_s") if s in FETCH_SYSTEMS else ())
-               + (("overlap_factor",) if s == "lins" else ()))
+               + (("overlap_factor",) if s in ("lins", "zero1") else ()))  # those with an overlapped boundary
         mark = {k: "*" if k in own and k not in fitted else " " for k in t}
         defaulted |= "*" in mark.values()
         out.append(f"{s:<8}{t['comm_factor']:>11.3f}{mark['comm_factor']}{t['overlap_factor']:>7.3f}"

@@ -19,12 +19,14 @@ how much of it hides behind compute:
     lins    the solver's plan and the executor's schedule (``cost.schedule``); P-sync after the update
             not overlapped, as in the paper's comparison (it turned broadcast-forward overlap off)
 
-Overlap (the assumption that decides the baselines' numbers): DeepSpeed's collectives are taken as
-exposed — ZeRO-0/1/2 reduce after backward (``overlap_comm`` is off by default) and gather parameters
-after the step; ZeRO-3, ZeRO++ and MiCS fetch each module on the critical path of its forward and
-backward. Lins overlaps as its executor does: gathers and ReduceScatters with the same phase's compute
-(prefetch, asynchronous reduction), the boundary AllReduce with the last backward; its P-sync stays
-exposed as in the paper. Exposed time of an overlapped phase = max(0, comm - compute of that phase).
+Overlap (the assumption that decides the baselines' numbers): each DeepSpeed system as ``ds_configs/`` runs it.
+ZeRO-0 reduces after the backward, exposed. ZeRO-1 and ZeRO-2 run with ``overlap_comm`` (``OVERLAP_COMM``): their
+reduction runs bucket by bucket in the backward's hooks on a side stream, ZeRO-1's only in the last micro-batch's
+backward (the boundary), ZeRO-2's in every one; both gather the parameters after the step, exposed. ZeRO-3, ZeRO++
+and MiCS fetch each module on the critical path of its forward and backward. Lins overlaps as its executor does:
+gathers and ReduceScatters with the same phase's compute (prefetch, asynchronous reduction), the boundary AllReduce
+with the last backward; its P-sync stays exposed as in the paper. Exposed time of an overlapped phase =
+max(0, comm - compute of that phase).
 
 Compute: training FLOPs per token (``ModelSpec.flops_per_token``) at ``peak x efficiency``, backward
 twice the forward, recompute one more forward under activation checkpointing (used by a system only
@@ -51,6 +53,10 @@ from lins_ds.plan.topology import Factor, Layout, PlanError, Topology
 SYSTEMS = ("zero0", "zero1", "zero2", "zero3", "zeropp", "mics", "lins")
 FETCH_SYSTEMS = ("zero3", "zeropp", "mics")  # DeepSpeed's stage-3 code: parameters fetched module by module
 MODULES_PER_LAYER = 7  # q, k, v, o, gate, up, down: DeepSpeed gathers module by module (norms persist)
+# DeepSpeed systems whose ds_configs/ set "overlap_comm": stage 1 and 2 then reduce in the backward's hooks on a side
+# stream (stage_1_and_2.py: process_gradients -> reduce_ready_partitions_and_remove_grads; stage 1 at the boundary
+# only), overlapped as Lins' executor overlaps its own (``cost.exposed_seconds``). Stage 3's overlap is its fetch model.
+OVERLAP_COMM = ("zero1", "zero2")
 
 
 @dataclass(frozen=True)
@@ -257,15 +263,19 @@ class StepTerms:
 
 
 def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int,
-               s_os: int, overlap_param_sync: bool = False) -> StepTerms:
+               s_os: int, overlap_param_sync: bool = False, overlap_comm: bool = True) -> StepTerms:
     """Lins overlaps as its executor does (``cost.exposed_seconds``; the P-sync only with
-    ``overlap_param_sync``, off in the paper's comparison); DeepSpeed's collectives are taken as exposed."""
+    ``overlap_param_sync``, off in the paper's comparison); ZeRO-1 and ZeRO-2 (``OVERLAP_COMM``) overlap their
+    reduction the same way (``overlap_comm``: False prices them as DeepSpeed's default for stage 1 and 2 runs them,
+    all exposed) and gather the parameters after the step, exposed; the rest of DeepSpeed's collectives are taken as
+    exposed."""
     fwd, bwd = compute_seconds(model, train, compute, ckpt_units)
     layer_fwd, layer_bwd = layer_seconds(model, train, compute)
     total = sum(c.total_s for c in colls)
-    exposed = (cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, overlap_param_sync)
-               if system == "lins" else total)
-    overlapped = boundary_overlap(colls, fwd, bwd, overlap_param_sync) if system == "lins" else 0.0
+    overlaps = system == "lins" or (overlap_comm and system in OVERLAP_COMM)
+    sync = overlap_param_sync and system == "lins"
+    exposed = cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum, sync) if overlaps else total
+    overlapped = boundary_overlap(colls, fwd, bwd, sync) if overlaps else 0.0
     n = fetches(system, model, train)
     # a group of one rank gathers nothing: ZeRO-3's fetch then only points the module at its own copy
     # (partition_parameters._no_gather_coalesced), MiCS's gathers on a one-rank group (a local copy at memory
@@ -280,10 +290,12 @@ def step_terms(system: str, colls, model: ModelSpec, train: TrainingSpec, comput
 
 
 def boundary_overlap(colls, forward_s: float, backward_s: float, overlap_param_sync: bool) -> float:
-    """The part of the boundary AllReduce and the P-sync that Lins' executor hides behind the last backward and the
-    next forward (``cost.exposed_seconds`` leaves the rest exposed): what ``overlap_factor`` prices, fitted on 2-GPU
-    runs whose plans (P and G whole) have no other communication. The gathers and ReduceScatters a sharded plan
-    overlaps within each pass are left out: no run measured them. ``forward_s`` / ``backward_s``: one micro-batch."""
+    """The part of the boundary AllReduce and the P-sync that Lins' executor (or DeepSpeed's ``overlap_comm``) hides
+    behind the last backward and the next forward (``cost.exposed_seconds`` leaves the rest exposed): what
+    ``overlap_factor`` prices, fitted on 2-GPU runs whose plans (P and G whole; DeepSpeed's ZeRO-1) have no other
+    communication. The gathers and ReduceScatters overlapped within each pass (a sharded plan's, ZeRO-2's) are left
+    out: one factor for them and ZeRO-2's four modes was tried and moved a one-GPU grid shape past 10 %.
+    ``forward_s`` / ``backward_s``: one micro-batch."""
     ph = cost.per_phase(list(colls))
     return min(ph["boundary"], backward_s) + (min(ph["param_sync"], forward_s) if overlap_param_sync else 0.0)
 
@@ -311,9 +323,10 @@ def _baseline_memory(system: str, model: ModelSpec, topo: Topology, train: Train
 
 def system_terms(system: str, model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec,
                  table: ProfileTable, compute: ComputeSpec, layout: Optional[Layout] = None,
-                 overlap_param_sync: bool = False) -> Optional[tuple]:
+                 overlap_param_sync: bool = False, overlap_comm: bool = True) -> Optional[tuple]:
     """(StepTerms, layout, checkpointed units, MemoryBreakdown) of ``system``; Lins solves unless ``layout`` is given
-    (the paper's objective, communication); None when no Lins plan fits."""
+    (the paper's objective, communication); None when no Lins plan fits. ``overlap_comm``: DeepSpeed's ZeRO-1 and
+    ZeRO-2 overlap their reduction (``step_terms``)."""
     if system == "lins":
         try:
             layouts = [layout] if layout is not None else None
@@ -332,17 +345,20 @@ def system_terms(system: str, model: ModelSpec, topo: Topology, train: TrainingS
     if isinstance(given, int) and not isinstance(given, bool):  # a run that checkpointed (bench/train.py --checkpointing)
         ckpt, breakdown = given, memory(model, train, mem, topo, layout, given)
     colls = cost.timed(baseline_schedule(system, topo, model, train), table)
-    return step_terms(system, colls, model, train, compute, ckpt, layout.os.size), layout, ckpt, breakdown
+    terms = step_terms(system, colls, model, train, compute, ckpt, layout.os.size, overlap_comm=overlap_comm)
+    return terms, layout, ckpt, breakdown
 
 
 def simulate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
-             compute: ComputeSpec, systems=SYSTEMS, overheads: Overheads = NO_OVERHEADS) -> dict:
+             compute: ComputeSpec, systems=SYSTEMS, overheads: Overheads = NO_OVERHEADS,
+             overlap_comm: bool = True) -> dict:
     """Every system's step; the fetch cost at the speed of ``table``'s host where its profile measured it
-    (``meta.host_s_per_module``, ``lins-ds profile``), else the calibration host's."""
+    (``meta.host_s_per_module``, ``lins-ds profile``), else the calibration host's. ``overlap_comm``: whether
+    DeepSpeed's ZeRO-1 and ZeRO-2 overlap their reduction with the backward (as ``ds_configs/`` runs them)."""
     results = {}
     scale = overheads.host_scale(table.meta.get("host_s_per_module"))
     for system in systems:
-        found = system_terms(system, model, topo, train, mem, table, compute)
+        found = system_terms(system, model, topo, train, mem, table, compute, overlap_comm=overlap_comm)
         if found is None:
             continue
         terms, layout, ckpt, breakdown = found
@@ -369,11 +385,12 @@ def sim_train(model: ModelSpec, topo: Topology, seq_len: int, micro_batch: int, 
 
 
 def calibrate(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
-              compute: ComputeSpec, system: str, target_mfu: float, overheads: Overheads = NO_OVERHEADS) -> ComputeSpec:
+              compute: ComputeSpec, system: str, target_mfu: float, overheads: Overheads = NO_OVERHEADS,
+              overlap_comm: bool = True) -> ComputeSpec:
     """The compute efficiency at which ``system`` (with ``overheads``) simulates to ``target_mfu`` (bisection)."""
     lo, hi = 0.05, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        got = simulate(model, topo, train, mem, table, compute.at(mid), (system,), overheads)[system].mfu
+        got = simulate(model, topo, train, mem, table, compute.at(mid), (system,), overheads, overlap_comm)[system].mfu
         lo, hi = (mid, hi) if got < target_mfu else (lo, mid)
     return compute.at((lo + hi) / 2)

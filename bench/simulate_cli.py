@@ -56,6 +56,9 @@ def add_arguments(si) -> None:
     si.add_argument("--sweep-nodes", help="comma-separated node counts, e.g. 1,2,4,...,128")
     si.add_argument("--plot", help="PNG of MFU against GPUs (with --sweep-nodes)")
     si.add_argument("--format", default="table", choices=["table", "json"])
+    si.add_argument("--no-overlap-comm", dest="overlap_comm", action="store_false",
+                    help="price DeepSpeed's ZeRO-1 and ZeRO-2 with overlap_comm off (DeepSpeed's default for stage 1 "
+                    "and 2: the reduction after the backward, exposed); default: on, as ds_configs/ runs them")
 
 
 def run(args) -> int:
@@ -98,20 +101,26 @@ def run(args) -> int:
         topo8 = P.Topology(1, args.gpus_per_node)
         cal = sim_train(P.load_model("llama-7b"), topo8, args.seq_len, args.micro_batch_size, args.global_batch_tokens)
         compute = calibrate(P.load_model("llama-7b"), topo8, cal, mem, table_for(topo8), compute, "zero1", 0.63,
-                            overheads)
+                            overheads, args.overlap_comm)
         note = (f"compute efficiency {compute.achievable_mfu:.3f}, calibrated so that ZeRO-1 trains llama-7b at "
                 f"63 % MFU on 1 node x {args.gpus_per_node} (the paper's 8-GPU point)")
     if terms_from:
         note += f"; per-system terms fitted to GPU runs ({terms_from})"
+    note += _overlap_note(args)
     nodes_list = [int(x) for x in args.sweep_nodes.split(",")] if args.sweep_nodes else [args.nodes]
     out = {"calibration": note, "runs": []}
     for m in nodes_list:
         topo = P.Topology(m, args.gpus_per_node)
         train = sim_train(model, topo, args.seq_len, args.micro_batch_size, args.global_batch_tokens)
-        res = simulate(model, topo, train, mem, table_for(topo), compute, systems, overheads)
+        res = simulate(model, topo, train, mem, table_for(topo), compute, systems, overheads, args.overlap_comm)
         out["runs"].append({"nodes": m, "gpus": topo.world_size, "micro_batches": train.grad_accum,
                             "systems": {k: v.to_json() for k, v in res.items()}})
     return _report(args, out, note, systems, model)
+
+
+def _overlap_note(args) -> str:
+    return ("; DeepSpeed ZeRO-1/2 with overlap_comm " + ("on (as ds_configs/ runs them)" if args.overlap_comm else
+                                                         "off (--no-overlap-comm, DeepSpeed's default)"))
 
 
 def _report(args, out: dict, note: str, systems: list, model) -> int:
@@ -167,13 +176,14 @@ def _simulate(args, model, systems, overheads, cluster, compute, note) -> int:
     capacity = args.gpu_memory_gb or cluster.gpu_memory_gb
     mem = P.MemorySpec(capacity)
     nodes_list = [int(x) for x in args.sweep_nodes.split(",")] if args.sweep_nodes else [args.nodes]
+    note += _overlap_note(args)
     out = {"calibration": note, "runs": []}
     for m in nodes_list:
         topo = P.Topology(m, args.gpus_per_node)
         table = (P.ProfileTable.load(args.profile) if args.profile
                  else cluster.table(cost.required_meshes(topo, P.candidates(topo))))
         train = sim_train(model, topo, args.seq_len, args.micro_batch_size, args.global_batch_tokens)
-        res = simulate(model, topo, train, mem, table, compute, systems, overheads)
+        res = simulate(model, topo, train, mem, table, compute, systems, overheads, args.overlap_comm)
         out["runs"].append({"nodes": m, "gpus": topo.world_size, "micro_batches": train.grad_accum,
                             "systems": {k: v.to_json() for k, v in res.items()}})
     return _report(args, out, note, systems, model)

@@ -122,7 +122,7 @@ def test_the_host_probe_prices_each_host_bound_run_at_the_host_it_ran_on(capsys)
     out = capsys.readouterr().out
     assert "1.53x the calibration's" in out and out.count(" ckpt 24 lins ") == 2  # seq 128 and seq 2048
     line = [x for x in out.splitlines() if x.strip().startswith("shape-h1536-l24 s128 mb1 lins:")][0]
-    assert "measured step +4.46 (forward +1.08, backward +3.44), predicted step +4.70" in line
+    assert "measured step +4.46 (forward +1.08, backward +3.44), predicted step +4.71" in line
     per_model = os.path.join(root, "bench/results/simulate/calibrated/profile_1host.json")
     assert main(["host-probe", probe, "--profile", per_model]) != 0
     assert f"{per_model}: no shape-model terms with a measured host" in capsys.readouterr().err
