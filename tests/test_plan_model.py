@@ -50,6 +50,8 @@ HF_TYPES = {
     "Phi3Config": {"pad_token_id": 0},
     "Qwen3Config": {"head_dim": 16},
     "Gemma3TextConfig": {"head_dim": 16},
+    "MistralConfig": {"head_dim": 16},  # heads x head_dim wider than hidden, as Mistral-NeMo's is narrower
+    "LlamaConfig": {"head_dim": 16},
 }
 
 

@@ -144,12 +144,14 @@ SUPPORTED = _LLAMA_LIKE + _MOE + ("gpt2",)
 def _llama_like(cfg: dict, name: str, mtype: str, **extra) -> ModelSpec:
     heads = cfg["num_attention_heads"]
     gemma = mtype.startswith("gemma")
+    head_dim = int(cfg.get("head_dim") or 0)  # LLaMA and Mistral too may set it (Mistral-NeMo: 128, not 5120 / 32)
+    own_width = gemma or mtype.startswith("qwen3") or (head_dim and head_dim * heads != cfg["hidden_size"])
     return ModelSpec(
         name, "llama", cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"],
         heads, cfg.get("num_key_value_heads") or heads,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         attention_bias=bool(cfg.get("attention_bias", mtype in ("qwen2", "qwen2_moe"))),
-        head_dim=int(cfg.get("head_dim") or 0) if gemma or mtype.startswith("qwen3") else 0,
+        head_dim=head_dim if own_width else 0,
         norms_per_layer=4 if mtype in ("gemma2", "gemma3_text") else 2,
         qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"), **extra)
 
