@@ -18,9 +18,9 @@ as a non-negative sum of those terms, in relative error (a 0.2 s run weighs as m
          + overlap_factor[system] * overlapped   the boundary AllReduce and P-sync that Lins' executor hides
                                              behind the last backward and the next forward, and the boundary
                                              reduction DeepSpeed's ZeRO-1 hides behind the last backward
-                                             (``overlap_comm``; ZeRO-2's within each backward is not priced,
-                                             the rest of DeepSpeed's is exposed): what of it the step still
-                                             pays (``simulate.boundary_overlap``)
+                                             (``overlap_comm``; ZeRO-2's, hidden within each backward, has no
+                                             factor; the rest of DeepSpeed's is exposed): what of it the step
+                                             still pays (``simulate.boundary_overlap``)
 
 With the shape model (``--compute-table``) the compute is priced from each model's shape at one factor: the one
 the table measured (its timed layers over their price, ``compute_model.in_training_factor``), held, where the table

@@ -131,8 +131,9 @@ class Overheads:
     ``comm_factor`` scales the modelled exposed communication (what the system's bucketing and scheduling make
     of the profiled collective times), ``update_factor`` the modelled optimizer update (bytes at full memory
     bandwidth; the real update makes extra copies and launches), ``overlap_factor`` the share of the time of the
-    boundary AllReduce and P-sync that Lins' executor overlaps with the last backward and the next forward
-    (``boundary_overlap``) that its step still pays (the overlapped kernels slowing each other, or the overlap
+    boundary AllReduce and P-sync that Lins' executor overlaps with the last backward and the next forward (for
+    ZeRO-1, of the boundary reduction ``overlap_comm`` overlaps with the last backward; ``boundary_overlap``) that
+    its step still pays (the overlapped kernels slowing each other, or the overlap
     falling short: the runs do not tell which), ``per_fetch_s`` is the cost of one module fetch
     of the ZeRO-3 family (its hooks and launches, forward and backward) on a host of ``host_s_per_module``, and
     ``per_fetch_byte_s`` its cost per byte it assembles (a fetch waits for its own gather). With the shape model,

@@ -197,6 +197,9 @@ def run_fit(args) -> int:
         raise P.PlanError("--fit and --validate: give one (--fit also prints the validation)")
     if args.fit and not args.out:
         raise P.PlanError("--out: required with --fit (where to write the profile with the fitted terms)")
+    if not args.overlap_comm:
+        raise P.PlanError("--no-overlap-comm: not with --fit/--validate: a run is priced as it ran, ZeRO-1 and ZeRO-2 "
+                          "with ds_configs/' overlap_comm (bench/gpu_*.sh run those configs)")
     tables = {"host": P.ProfileTable.load(args.profile)}
     if args.emulated_profile:
         tables["emulated"] = P.ProfileTable.load(args.emulated_profile)

@@ -223,3 +223,38 @@ def test_the_systems_priced_as_overlapping_their_reduction_are_those_whose_confi
         with open(os.path.join(root, f"{mode}.json")) as f:
             zero = json.load(f).get("zero_optimization") or {}
         assert bool(zero.get("overlap_comm", False)) == (mode in OVERLAP_COMM), mode
+
+
+def test_overlap_comm_reaches_every_path_and_deepspeed_gathers_its_parameters_exposed(capsys, monkeypatch):
+    """``--no-overlap-comm`` prices ZeRO-1's reduction exposed on the --calibration (shape model) path and in the
+    default 8-GPU calibration; it is refused with --validate, whose runs ran ds_configs/ (overlap on). DeepSpeed's
+    parameter AllGather after the step stays exposed even where the caller overlaps Lins' P-sync (the fit does)."""
+    import bench.simulate_cli as cli
+    from bench.simulate import step_terms
+    from lins_ds.plan import TrainingSpec
+    from lins_ds.plan import cost
+
+    cal = ["--calibration", "bench/results/simulate/calibrated_shape/profile_1host.json"]
+    calibrated_with, calibrate = [], cli.calibrate
+    monkeypatch.setattr(cli, "calibrate", lambda *a: calibrated_with.append(a[-1]) or calibrate(*a))
+    mfu = {}
+    for flag in ([], ["--no-overlap-comm"]):
+        for extra in (cal, []):
+            assert main(["simulate", "--model", "llama-7b", "--nodes", "128", *PAPER, "--format", "json", *extra,
+                         *flag]) == 0
+            mfu[(bool(flag), bool(extra))] = json.loads(capsys.readouterr().out)["systems"]["zero1"]["mfu"]
+    assert mfu[(False, True)] > mfu[(True, True)] + 0.03  # the shape model's path
+    assert mfu[(False, False)] > mfu[(True, False)] + 0.03  # the per-model path
+    assert calibrated_with == [True, False]  # the 8-GPU point calibrated as the flag says
+    assert main(["simulate", "--validate", "bench/results/simulate/shapes/call21", "--profile", cal[1],
+                 "--no-overlap-comm"]) == 2
+    assert "--no-overlap-comm: not with --fit/--validate" in capsys.readouterr().err
+
+    model, topo = BUILTIN_MODELS["llama-1b"], Topology(1, 2)
+    cluster = get_cluster("h200-emulated")
+    train = TrainingSpec(2048, 2, 2)
+    colls = cost.timed(baseline_schedule("zero1", topo, model, train), cluster.table(required_meshes(topo, [])))
+    sync = cost.per_phase(colls)["param_sync"]
+    for ps in (False, True):
+        terms = step_terms("zero1", colls, model, train, cluster.compute(), 0, 2, overlap_param_sync=ps)
+        assert sync > 0 and terms.exposed_s >= sync
