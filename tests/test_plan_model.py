@@ -70,3 +70,39 @@ def test_modelled_hf_types_count_every_parameter_of_the_real_model(cls):
     total = sum(p.numel() for p in model.parameters())
     assert spec.unit_params()[1:] == layers, (spec.unit_params(), layers)
     assert spec.total_params() == total, (spec.total_params(), total)
+
+
+def test_the_start_up_summary_names_linear_layers_of_a_misaligned_width():
+    """cuBLAS runs a GEMM over a width not a multiple of 16 bytes on slower kernels (an H200 at 0.12-0.36 of the
+    aligned rate, bench/results/simulate/shapes/call27-28): the engine's summary names such layers and how to pad."""
+    import torch
+    import transformers
+
+    from lins_ds.runtime.planning import gemm_dtype, misaligned_note
+
+    def gpt2(vocab):
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=vocab))
+
+    note = misaligned_note(gpt2(50257), torch.bfloat16)
+    assert note.startswith("\nlins: note: lm_head (32 -> 50257): a width not a multiple of 8 "), note
+    assert "pad_to_multiple_of=64" in note
+    assert misaligned_note(gpt2(50264), torch.bfloat16) == ""  # 8-aligned: nothing to say
+    assert misaligned_note(gpt2(50260), torch.float32) == ""  # 16 bytes of fp32 are 4 elements
+
+    class Engine:  # DeepSpeed's torch_autocast: fp32 parameters, bf16 GEMMs
+        def __init__(self, on):
+            self.on = on
+
+        def torch_autocast_enabled(self):
+            return self.on
+
+        def torch_autocast_dtype(self):
+            return torch.bfloat16
+
+    assert gemm_dtype(Engine(True), "fp32") == torch.bfloat16 and gemm_dtype(Engine(False), "fp32") == torch.float32
+    assert gemm_dtype(object(), "fp16") == torch.float16  # a DeepSpeed without torch_autocast
+    many = torch.nn.Sequential(*(torch.nn.Linear(8, 9 + i) for i in range(5)))
+    assert "0 (8 -> 9), 1 (8 -> 10), 2 (8 -> 11) and 2 more:" in misaligned_note(many, torch.float16)
+    # a rank-4 adapter beside a large layer costs nothing worth padding
+    lora = torch.nn.Sequential(torch.nn.Linear(4096, 4), torch.nn.Linear(4, 4096), torch.nn.Linear(4096, 4096))
+    assert misaligned_note(lora, torch.bfloat16) == ""

@@ -27,7 +27,7 @@ from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import is_deferred
 from ..runtime.memory_guard import report_startup
 from ..runtime.optimizer import LinsOptimizer, check_elementwise
-from ..runtime.planning import agree_on_plan, announce, make_plan
+from ..runtime.planning import agree_on_plan, announce, gemm_dtype, make_plan, misaligned_note
 from ..runtime.runtime import LinsRuntime
 from . import ds_compat
 
@@ -105,7 +105,7 @@ class LinsEngine(DeepSpeedEngine):
         if self.lins_config.tuning and self._lins_solve is not None:
             plan, summary, cands, decision = self._tune_start(plan, summary)
         check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested())
-        announce(summary)
+        announce(summary + misaligned_note(self.module, gemm_dtype(self, param_dtype)))
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
                                 device=torch.device(self.device), check_collectives=check,
