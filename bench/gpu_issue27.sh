@@ -23,11 +23,19 @@
 # GRID=16 (STEPS=10 WARMUP=4): four models of other families (bench/models/family-*.json: GPT-2, Qwen2, two Qwen3 with
 # their norms of queries and keys, one with heads x head_dim twice its hidden width), each built as its own Hugging
 # Face class, both systems; the reference shape first.
+# GRID=17 (STEPS=10 WARMUP=4): linear layers of a width off a multiple of 8. The compute table again (now with its
+# misaligned GEMMs), then the reference shape, the GPT-2 (vocabulary 50257) again, and a Llama-3.2-1B-like model
+# (tied embeddings) with a vocabulary of 128257 (a pad token added to 128256, as resize_token_embeddings leaves it)
+# and of 128256: the same model but for its LM head's alignment, both systems; then h2560 x 16 (n12) once more.
+# GRID=18 (STEPS=10 WARMUP=4): the compute table again (misaligned GEMMs of widths that are multiples of 2 and 4 too),
+# the reference shape, and the same model with a vocabulary of 128258 and of 128260, both systems.
+# GRID=19 (STEPS=10 WARMUP=4): the reference shape, the vocabularies of 128256 and 128258 again on one machine, and a
+# Phi-3-like model (fused QKV and gate-up projections), both systems.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 keep() { tar -rf "$OUT/issue27.tar" -C "$OUT" "$@" && (cd "$OUT" && rm -f "$@"); }
-if [ -z "${ONLY:-}" ] && [ "${GRID:-1}" = 1 ]; then
+if [ -z "${ONLY:-}" ] && { [ "${GRID:-1}" = 1 ] || [ "${GRID:-1}" = 17 ] || [ "${GRID:-1}" = 18 ]; }; then
   timeout 240 python -m lins_ds.profiler.compute --out "$OUT/compute_h200.json" 2>&1 | tail -1 | tee -a "$OUT/log.txt"
   keep compute_h200.json
 fi
@@ -65,6 +73,10 @@ declare -A SPEC=(  # base name: model, sequence, micro-batch [--checkpointing]
   # other families (GRID=16): never fitted, priced with the shape model as it stands
   [f1]="family-gpt2-h1600-l24 2048 4" [f2]="family-qwen2-h1536-l28 4096 2"
   [f3]="family-qwen3-h2048-l28 2048 4 --checkpointing" [f4]="family-qwen3-h1024-l28 4096 2"
+  # GRID=17: the same Llama-3.2-1B-like model with its LM head misaligned (128257) and aligned (128256)
+  [f5]="family-llama3-h2048-l16-v128257 2048 4" [f6]="family-llama3-h2048-l16-v128256 2048 4"
+  [f7]="family-llama3-h2048-l16-v128258 2048 4" [f8]="family-llama3-h2048-l16-v128260 2048 4"  # GRID=18
+  [f9]="family-phi3-h3072-l12 2048 4"  # GRID=19
 )
 case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   1) RUNS="ref:ref s2:s2 s3:s3 s4:s4 s5:s5 s6:s6 s7:s7 s8:s8 s9:s9 ref2:ref" ;;
@@ -89,7 +101,10 @@ case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   14) RUNS="hb1:hb1 hb1c:hb1c hb2:hb2 hb2c:hb2c hb3:hb3 hb3c:hb3c n13k:n13k n13n:n13n" ;;
   15) RUNS="s5k:s5k n5k:n5k s2k:s2k n12k:n12k n7k:n7k s8k:s8k" ;;  # GPU-bound shapes, forward, backward, step apart
   16) RUNS="ref17:ref f1:f1 f2:f2 f3:f3 f4:f4" ;;
-  *) echo "GRID=${GRID}: 1 to 16" >&2; exit 2 ;;
+  17) RUNS="ref18:ref f1b:f1 f5:f5 f6:f6 n12u:n12" ;;
+  18) RUNS="ref19:ref f7:f7 f8:f8" ;;
+  19) RUNS="ref20:ref f6b:f6 f7b:f7 f9:f9" ;;
+  *) echo "GRID=${GRID}: 1 to 19" >&2; exit 2 ;;
 esac
 # The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
 nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \

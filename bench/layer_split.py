@@ -31,13 +31,15 @@ EXTRA = (("bench/models/llama-2.9b.json", 4096, 2), ("1b", 2048, 2), ("7b", 2048
 
 
 def shapes() -> list:
-    """[(model, seq, micro-batch)]: every LLaMA shape the grid ran (its runs' JSONs, gas 1) and ``EXTRA``; the other
-    families (``family-*.json``) are left out, the layers timed here being LLaMA's (``compute.layer_table``)."""
+    """[(model, seq, micro-batch)]: every LLaMA shape the grid ran (its runs' JSONs, gas 1) and ``EXTRA``; the models
+    of the family runs (``family-*.json``) are left out, the layers timed here being LLaMA's of the planner's shapes
+    (``compute.layer_table``), their LLaMA-type ones too (what they test is their LM head, not their layers)."""
     seen = []
     for path in sorted(glob.glob(os.path.join(SHAPES, "call*", "*_lins.json"))):
         r = json.load(open(path))
         key = (r["model"], r["seq_len"], r["samples_per_gpu_per_step"])
-        if "median_step_s" in r and r["seq_len"] >= 1024 and key not in seen and _is_llama(r["model"]):
+        family = os.path.basename(r["model"]).startswith("family-")
+        if "median_step_s" in r and r["seq_len"] >= 1024 and key not in seen and _is_llama(r["model"]) and not family:
             seen.append(key)
     return seen + [e for e in EXTRA if e not in seen]
 

@@ -62,6 +62,7 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", action="store_true", help="also measure the activation memory of --model (one "
                     "layer unit and the head, as the engine does at start-up) and cache it beside the profiles")
     p.add_argument("--compute", action="store_true", help="instead: measure this GPU's compute table (GEMMs by size, "
+                   "GEMMs of linear layers of a width off a multiple of 8, "
                    "attention by sequence length, bandwidth, and a few whole decoder layers timed as training runs "
                    "them: the table's in-training factor; one process) for the simulator's shape model")
     p.add_argument("--model", default="llama-1b", help="with --validate / --memory: the model (a built-in name)")

@@ -4,7 +4,9 @@ A micro-batch of T = micro-batch x sequence tokens runs, per decoder layer, the 
 keys, values, output; gate, up, down), causal attention, and memory-bound element-wise work (norms, rotary
 embedding, the gated activation, residual adds); then the LM head's GEMM and the cross-entropy over the vocabulary.
 Each GEMM (m x k) @ (k x n) is priced at the rate the device's compute table measured for its sizes (forward
-(T, n, k), backward (T, k, n) for the input's gradient and (k, n, T) for the weight's), attention at its measured
+(T, n, k), backward (T, k, n) for the input's gradient and (k, n, T) for the weight's; a linear layer with a width
+not a multiple of 8, as GPT-2's LM head over 50257 tokens, at the rate the table measured for such GEMMs, several
+times slower), attention at its measured
 rate for the sequence length and head width, the element-wise work by the bytes Hugging Face's layers move through
 it (``ELEMENTWISE_BYTES``, counted op by op) at the measured bandwidth. A checkpointed layer runs its forward twice.
 The table comes from ``python -m lins_ds.profiler.compute`` (``lins-ds profile --compute``), which also times a few
@@ -52,7 +54,17 @@ ELEMENTWISE_BYTES = {
 # logits to fp32, log-softmax, NLL, and their gradient), (forward, backward)
 HEAD_BYTES = {"llama": {"hidden": (38, 97), "logit": (20, 28)}, "gpt2": {"hidden": (31, 24), "logit": (19, 28)}}
 
+# cuBLAS runs a bf16 GEMM on its fastest kernels only where the widths it strides over are multiples of 8 elements
+# (16 bytes); a linear layer with an odd width (GPT-2's vocabulary of 50257) falls back to slower ones, priced by the
+# table's "misaligned" entries
+ALIGN = 8
+ROLES = ("forward", "input_grad", "weight_grad")  # a linear layer's three GEMMs
 LAYER_KEYS = ("hidden", "intermediate", "heads", "kv_heads", "seq", "micro_batch", "seconds")
+
+
+def _alignment(n: int, k: int) -> int:
+    """The largest power of two up to ALIGN dividing both widths of a linear layer (ALIGN: aligned)."""
+    return min(ALIGN, n & -n, k & -k)
 
 
 def _log2(x: float) -> float:
@@ -67,6 +79,9 @@ class ComputeTable:
     bandwidth_gbs: float
     source: str = ""
     layers: tuple = ()  # ((hidden, intermediate, heads, kv_heads, seq, micro_batch, seconds), ...): whole layers timed
+    # ((m, n, k, role, tflops, aligned_tflops), ...): a linear layer's GEMMs (m tokens, n out and k in features, one
+    # not a multiple of ALIGN) next to the same GEMM at aligned widths, timed together
+    misaligned: tuple = ()
 
     @classmethod
     def from_json(cls, obj: dict, origin: str = "compute table") -> "ComputeTable":
@@ -77,8 +92,12 @@ class ComputeTable:
             attn = tuple((int(a["seq"]), int(a["head_dim"]), float(a["tflops"])) for a in obj["attention"])
             layers = tuple((int(r["hidden"]), int(r["intermediate"]), int(r["heads"]), int(r["kv_heads"]),
                             int(r["seq"]), int(r["micro_batch"]), float(r["seconds"])) for r in obj.get("layers", ()))
+            odd = tuple((int(r["m"]), int(r["n"]), int(r["k"]), str(r["role"]), float(r["tflops"]),
+                         float(r["aligned_tflops"])) for r in obj.get("misaligned", ()))
+            if any(r[3] not in ROLES or r[1] % ALIGN == 0 and r[2] % ALIGN == 0 for r in odd):
+                raise ValueError(f"a misaligned GEMM has a role not in {ROLES} or no width off a multiple of {ALIGN}")
             return cls(str(obj["device"]), gemm, attn, float(obj["bandwidth_gbs"]), str(obj.get("source", origin)),
-                       layers)
+                       layers, odd)
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{origin}: malformed compute table ({type(e).__name__}: {e})") from None
 
@@ -86,7 +105,9 @@ class ComputeTable:
         return {"format": FORMAT, "device": self.device, "bandwidth_gbs": self.bandwidth_gbs, "source": self.source,
                 "gemm": [{"m": m, "n": n, "k": k, "tflops": t} for m, n, k, t in self.gemm],
                 "attention": [{"seq": s, "head_dim": d, "tflops": t} for s, d, t in self.attention],
-                "layers": [dict(zip(LAYER_KEYS, row)) for row in self.layers]}
+                "layers": [dict(zip(LAYER_KEYS, row)) for row in self.layers],
+                "misaligned": [dict(zip(("m", "n", "k", "role", "tflops", "aligned_tflops"), row))
+                               for row in self.misaligned]}
 
     @classmethod
     def load(cls, path: str) -> "ComputeTable":
@@ -121,6 +142,34 @@ class ComputeTable:
 
     def gemm_s(self, m: int, n: int, k: int) -> float:
         return 2.0 * m * n * k / (self.gemm_tflops(m, n, k) * 1e12)
+
+    def misaligned_tflops(self, role: str, m: int, n: int, k: int):
+        """The rate of a linear layer's ``role`` GEMM (``m`` tokens, ``n`` out and ``k`` in features) where ``n`` or
+        ``k`` is not a multiple of ALIGN: that of the table's nearest misaligned row of that role (log distance over
+        m, n, k), on the same side (out or in features) and of the same alignment (odd, 2, 4) where it has one. None
+        where both widths are aligned or the table has no such rows (tables measured before them). Those kernels run
+        at a rate of their own (on an H200 about 95-150 TFLOP/s for an odd width, 200-280 for a multiple of 2 or 4,
+        whatever the aligned twin's 620-820), so the rate is taken as measured, not as a share of the twin's."""
+        if n % ALIGN == 0 and k % ALIGN == 0:
+            return None
+        rows = [r for r in self.misaligned if r[3] == role]
+        rows = [r for r in rows if (r[1] % ALIGN != 0) == (n % ALIGN != 0)] or rows
+        rows = [r for r in rows if _alignment(r[1], r[2]) == _alignment(n, k)] or rows
+        if not rows:
+            return None
+        q = (_log2(m), _log2(n), _log2(k))
+        return min(rows, key=lambda r: sum((x - _log2(y)) ** 2 for x, y in zip(q, r[:3])))[4]
+
+    def linear_s(self, m: int, n: int, k: int) -> tuple:
+        """(forward, backward) seconds of a linear layer over ``m`` tokens, ``k`` in and ``n`` out features: the
+        forward (m, n, k); the input's gradient (m, k, n) and the weight's (k, n, m) as GEMMs. A misaligned one at
+        its measured rate (``misaligned_tflops``), never above the aligned rate for its sizes."""
+        def seconds(role, dims):
+            rate, odd = self.gemm_tflops(*dims), self.misaligned_tflops(role, m, n, k)
+            return 2.0 * m * n * k / (min(rate, odd or rate) * 1e12)
+
+        fwd = seconds("forward", (m, n, k))
+        return fwd, seconds("input_grad", (m, k, n)) + seconds("weight_grad", (k, n, m))
 
     def attention_tflops(self, seq: int, head_dim: int) -> float:
         """Linear in log seq between measured lengths (the edge beyond), at the nearest measured head width."""
@@ -180,9 +229,8 @@ def _gemms(model: ModelSpec, tokens: int) -> list:
 
 
 def _fwd_bwd(table: ComputeTable, shapes: list) -> tuple:
-    fwd = sum(table.gemm_s(m, n, k) for m, n, k in shapes)
-    bwd = sum(table.gemm_s(m, k, n) + table.gemm_s(k, n, m) for m, n, k in shapes)
-    return fwd, bwd
+    both = [table.linear_s(m, n, k) for m, n, k in shapes]
+    return sum(f for f, _ in both), sum(b for _, b in both)
 
 
 def _arch(model: ModelSpec) -> str:

@@ -6,6 +6,10 @@ a step with, cached beside the collective profiles.
   shapes and the two backward ones alike (a table over (m, n, k), read by log-interpolation).
 - **Attention**: causal scaled-dot-product attention (the kernel ``torch.nn.functional.scaled_dot_product_attention``
   picks: flash on H100/H200) forward and backward, TFLOP/s by sequence length and head width.
+- **Misaligned GEMMs**: the three GEMMs of a linear layer one of whose widths is not a multiple of 8 (GPT-2's LM head
+  over a vocabulary of 50257; a LLaMA's with a pad token added, 32001; widths that are multiples of 2 or 4), each
+  next to the same GEMM with that width rounded up, in the same run: cuBLAS falls back to kernels of a lower
+  alignment there, several times slower.
 - **Memory-bound work**: bytes/s of an element-wise kernel over a large tensor (norms, activations, residual adds,
   rotary embeddings and the optimizer are priced by the bytes they move).
 - **Whole layers**: a few Hugging Face LLaMA decoder layers' forward and backward, timed as training queues them.
@@ -27,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..plan.compute_model import LAYER_KEYS, ComputeTable, in_training_factor
+from ..plan.compute_model import ALIGN, LAYER_KEYS, ROLES, ComputeTable, in_training_factor
 
 FORMAT = "lins_ds.compute/1"
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -36,6 +40,12 @@ HEAD_DIMS = (64, 128)
 # reference decoder layers (hidden, intermediate, heads, kv heads, sequence, micro-batch): 1B-, 3B- and 7B-like
 # widths at 4096-8192 tokens, large enough that the GPU, not the host, sets their pace
 LAYER_SHAPES = ((2048, 5632, 16, 16, 4096, 2), (2560, 6912, 20, 20, 4096, 1), (4096, 11008, 32, 32, 2048, 2))
+# linear layers (tokens, out features, in features) with one width not a multiple of ``ALIGN``: LM heads over odd
+# vocabularies, and two projections from an odd width; then LM heads and a projection of widths that are multiples
+# of 2 or 4 but not of 8 (cuBLAS has kernels for each alignment)
+MISALIGNED_SHAPES = ((8192, 50257, 1600), (16384, 50257, 2048), (8192, 32001, 4096), (8192, 4096, 11007),
+                     (8192, 2048, 5633), (8192, 50258, 1600), (8192, 32002, 4096), (8192, 50260, 1600),
+                     (8192, 32004, 4096), (8192, 2048, 5636))
 GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "matmul")
 ATTENTION_KERNELS = ("flash", "fmha", "sdpa", "attention", "attn")
 
@@ -81,6 +91,40 @@ def gemm_table(device: torch.device, dtype: torch.dtype, sizes=GEMM_SIZES, reps:
                 fn()
                 s = timed(fn, reps) / inner
                 out.append({"m": m, "n": n, "k": k, "tflops": flops / s / 1e12})
+    return out
+
+
+def _linear_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict:
+    """The GEMMs of ``torch.nn.functional.linear(x, w)`` (``x``: tokens x in features, ``w``: out x in) with the
+    output's gradient ``dy``, in the layouts autograd runs them: the forward, the input's gradient and the weight's."""
+    return {"forward": lambda: x @ w.t(), "input_grad": lambda: dy @ w, "weight_grad": lambda: dy.t() @ x}
+
+
+def _random_linear(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """``_linear_gemms`` of random tensors: ``m`` tokens, ``k`` in and ``n`` out features."""
+    return _linear_gemms(*(torch.randn(*shape, device=device, dtype=dtype) for shape in ((m, k), (n, k), (m, n))))
+
+
+def misaligned_table(device: torch.device, dtype: torch.dtype, shapes=MISALIGNED_SHAPES, reps: int = 5) -> list:
+    """[{"m", "n", "k", "role", "tflops", "aligned_tflops"}]: each GEMM of a linear layer of ``shapes`` (``m``
+    tokens, ``n`` out and ``k`` in features, one of them not a multiple of ``ALIGN``) by ``role`` ("forward",
+    "input_grad", "weight_grad"), next to the same GEMM with that width rounded up to a multiple of 64, timed in the
+    same run. The shape model prices the measured rate (``ComputeTable.misaligned_tflops``); the twin's is kept to
+    show the share, which the profiler prints."""
+    timed = _timer(device)
+    up = lambda x: x if x % ALIGN == 0 else -(-x // 64) * 64  # noqa: E731
+    out = []
+    for m, n, k in shapes:
+        odd, even = _random_linear(m, n, k, device, dtype), _random_linear(m, up(n), up(k), device, dtype)
+        for role in odd:
+            rates = []
+            for fn, (nn, kk) in ((odd[role], (n, k)), (even[role], (up(n), up(k)))):
+                fn()
+                rates.append(2.0 * m * nn * kk / timed(fn, reps) / 1e12)
+            out.append({"m": m, "n": n, "k": k, "role": role, "tflops": rates[0], "aligned_tflops": rates[1]})
+        odd = even = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -199,12 +243,13 @@ def measure(device: torch.device, dtype: torch.dtype = torch.bfloat16, quick: bo
         attn = attention_table(device, dtype, seqs=(32, 64), head_dims=(16,), tokens=128, reps=2)
         bw = bandwidth_gbs(device, dtype, elems=1 << 16, reps=2)
         layers = layer_table(device, dtype, shapes=((64, 128, 4, 2, 32, 1),), reps=2, inner=1)
+        odd = misaligned_table(device, dtype, shapes=((64, 33, 32), (64, 32, 33), (64, 36, 32)), reps=2)
     else:
         gemms, attn, bw = gemm_table(device, dtype), attention_table(device, dtype), bandwidth_gbs(device, dtype)
-        layers = layer_table(device, dtype)
+        layers, odd = layer_table(device, dtype), misaligned_table(device, dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"format": FORMAT, "device": name, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
-            "gemm": gemms, "attention": attn, "bandwidth_gbs": bw, "layers": layers,
+            "gemm": gemms, "attention": attn, "bandwidth_gbs": bw, "layers": layers, "misaligned": odd,
             "measured_s": time.perf_counter() - t0,
             "source": f"measured on {name}"}
 
@@ -233,11 +278,16 @@ def main(argv: Optional[list] = None) -> int:
     save(table, args.out)
     rates = [g["tflops"] for g in table["gemm"]]
     attn = ", ".join("%d: %.0f" % (a["seq"], a["tflops"]) for a in table["attention"])
-    factor = in_training_factor(ComputeTable.from_json(table))
+    read = ComputeTable.from_json(table)
+    factor = in_training_factor(read)
     layers = (f"{len(table['layers'])} whole layers at {factor:.3f} of their price (the in-training factor)"
               if table["layers"] else "no whole layers timed (transformers not installed)")
+    odd = ", ".join("%s %.0f TFLOP/s (x%.2f)" % (role, statistics.median(r["tflops"] for r in rows),
+                                                   statistics.median(r["tflops"] / r["aligned_tflops"] for r in rows))
+                    for role in ROLES if (rows := [r for r in table["misaligned"] if r["role"] == role]))
     print(f"compute table of {table['device']}: {len(rates)} GEMMs ({min(rates):.0f}-{max(rates):.0f} TFLOP/s), "
           f"attention by seq {attn} TFLOP/s, {table['bandwidth_gbs']:.0f} GB/s, {layers}; "
+          f"misaligned linear layers' GEMMs (x their aligned twins' rate): {odd or 'none measured'}; "
           f"{table['measured_s']:.0f} s -> {args.out}")
     return 0
 
