@@ -157,6 +157,34 @@ def test_hf_models_with_gradient_checkpointing_and_eval():
         assert eval_err <= 1e-5, (label, plan, eval_err)
 
 
+def every_other_layer_run():
+    import deepspeed
+
+    model = tiny_llama(layers=4)
+    model.activation_checkpointing_enable(every_n_layers=2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                      config=config({"plan": "solve", "profile": "synthetic", "seq_len": 8}))
+    train(engine, steps=2)
+    flags = [layer.gradient_checkpointing for layer in model.model.layers]
+    k = engine.lins.plan.activation_checkpointing_units
+    engine.destroy()
+    return flags, k
+
+
+def test_a_model_checkpointing_every_other_layer_keeps_those_layers_under_a_solved_plan():
+    """transformers' ``activation_checkpointing_enable(every_n_layers=2)`` checkpoints layers 0 and 2 of 4: the
+    solver takes that count as the model's, and the engine keeps those layers (it used to count the leading run,
+    one, and turn layer 2's checkpointing off)."""
+    import inspect
+
+    import transformers
+
+    if "every_n_layers" not in inspect.signature(transformers.PreTrainedModel.activation_checkpointing_enable).parameters:
+        pytest.skip("this transformers has no every_n_layers")
+    flags, k = run(every_other_layer_run, WORLD, gpus_per_node=GPUS_PER_NODE)[0]
+    assert k == 2 and flags == [True, False, True, False], (k, flags)
+
+
 # --- solve at start-up ---------------------------------------------------------------------------
 def solve_run():
     import deepspeed

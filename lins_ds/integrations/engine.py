@@ -123,9 +123,10 @@ class LinsEngine(DeepSpeedEngine):
 
     def _apply_checkpointing(self, plan) -> None:
         """The plan's activation checkpointing on the layer modules (where Lins decides it: a solved plan, or
-        lins.activation_checkpointing set)."""
-        if self.lins_config.solve or self.lins_config.activation_checkpointing is not None:
-            recompute.apply(self.lins.layer_modules(), plan.activation_checkpointing_units)
+        lins.activation_checkpointing set). A count the model set itself keeps the model's units."""
+        own = self.lins_config.activation_checkpointing is None
+        if self.lins_config.solve or not own:
+            recompute.apply(self.lins.layer_modules(), plan.activation_checkpointing_units, keep_own=own)
 
     def _tune_start(self, plan, summary: str) -> tuple:
         """(plan to start on, summary, candidates or None, (decision path, key) or None): a cached decision

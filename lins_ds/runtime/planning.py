@@ -105,11 +105,11 @@ def layer_units(module: torch.nn.Module, cfg: LinsConfig) -> list:
 
 def checkpoint_units(module: torch.nn.Module, cfg: LinsConfig):
     """The solver's checkpointing input: lins.activation_checkpointing, or what the model already does
-    (gradient_checkpointing_enable before deepspeed.initialize fixes all units), or None: the solver picks."""
+    (``activation_checkpointing_enable`` before deepspeed.initialize fixes how many units, all or every n-th), or
+    None: the solver picks."""
     if cfg.activation_checkpointing is not None:
         return cfg.activation_checkpointing
-    layers = layer_units(module, cfg)
-    already = recompute.checkpointed_units(layers)
+    already = len(recompute.checkpointed_units(layer_units(module, cfg)))
     return already if already else None
 
 

@@ -1,5 +1,6 @@
 """Selective activation checkpointing: the first k of the N layer units recompute their forward in backward
-(docs/design.md §8). The solver picks k; 0 and N are the all-or-nothing cases.
+(docs/design.md §8). The solver picks k; 0 and N are the all-or-nothing cases. Where the model checkpoints k units
+already (``activation_checkpointing_enable``, every n-th with ``every_n_layers``), it keeps those.
 
 Hugging Face layers (``GradientCheckpointingLayer``: a ``gradient_checkpointing`` flag and a
 ``_gradient_checkpointing_func``) are switched with their own flag, which also turns their cache off
@@ -24,14 +25,11 @@ def _is_hf_layer(module: nn.Module) -> bool:
     return hasattr(type(module), "gradient_checkpointing") and hasattr(module, "gradient_checkpointing")
 
 
-def checkpointed_units(layer_modules: list) -> int:
-    """How many leading layer units the model checkpoints already (HF's gradient_checkpointing_enable)."""
-    k = 0
-    for mods in layer_modules:
-        if not all((_is_hf_layer(m) and m.gradient_checkpointing) or hasattr(m, _WRAPPED) for m in mods):
-            break
-        k += 1
-    return k
+def checkpointed_units(layer_modules: list) -> list:
+    """The indices of the layer units the model checkpoints already: every one after HF's
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``), every n-th with its ``every_n_layers``."""
+    return [i for i, mods in enumerate(layer_modules)
+            if all((_is_hf_layer(m) and m.gradient_checkpointing) or hasattr(m, _WRAPPED) for m in mods)]
 
 
 def _set(module: nn.Module, on: bool) -> None:
@@ -69,8 +67,11 @@ def disabled(module: nn.Module):
             _set(module, True)
 
 
-def apply(layer_modules: list, k: int) -> None:
-    """Checkpoint the first ``k`` layer units (each a list of modules), not the others."""
+def apply(layer_modules: list, k: int, keep_own: bool = False) -> None:
+    """Checkpoint ``k`` layer units (each a list of modules), not the others: the first ``k``, or with ``keep_own``
+    those the model checkpoints already where they are ``k`` (a pattern such as HF's ``every_n_layers``)."""
+    own = set(checkpointed_units(layer_modules))
+    units = own if keep_own and len(own) == k else set(range(k))
     for i, mods in enumerate(layer_modules):
         for m in mods:
-            _set(m, i < k)
+            _set(m, i in units)
