@@ -57,7 +57,8 @@ HEAD_BYTES = {"llama": {"hidden": (38, 97), "logit": (20, 28)}, "gpt2": {"hidden
 # cuBLAS runs a bf16 GEMM on its fastest kernels only where the widths it strides over are multiples of 8 elements
 # (16 bytes); a linear layer with an odd width (GPT-2's vocabulary of 50257) falls back to slower ones, priced by the
 # table's "misaligned" entries
-ALIGN = 8
+ALIGN_BYTES = 16
+ALIGN = ALIGN_BYTES // 2  # elements of a bf16 / fp16 GEMM, the tables' dtype
 ROLES = ("forward", "input_grad", "weight_grad")  # a linear layer's three GEMMs
 LAYER_KEYS = ("hidden", "intermediate", "heads", "kv_heads", "seq", "micro_batch", "seconds")
 
@@ -69,6 +70,11 @@ def _alignment(n: int, k: int) -> int:
 
 def _log2(x: float) -> float:
     return math.log2(max(1.0, x))
+
+
+def _log_distance(a: tuple, b: tuple) -> float:
+    """Squared distance between two size tuples in log2 space (nearest-point lookups)."""
+    return sum((_log2(x) - _log2(y)) ** 2 for x, y in zip(a, b))
 
 
 @dataclass(frozen=True)
@@ -137,8 +143,7 @@ class ComputeTable:
                         total, weight = total + w * rates[(a, b, c)], weight + w
         if weight > 0:
             return total / weight
-        q = (_log2(m), _log2(n), _log2(k))
-        return min(rates.items(), key=lambda kv: sum((x - _log2(y)) ** 2 for x, y in zip(q, kv[0])))[1]
+        return min(rates.items(), key=lambda kv: _log_distance((m, n, k), kv[0]))[1]
 
     def gemm_s(self, m: int, n: int, k: int) -> float:
         return 2.0 * m * n * k / (self.gemm_tflops(m, n, k) * 1e12)
@@ -157,8 +162,7 @@ class ComputeTable:
         rows = [r for r in rows if _alignment(r[1], r[2]) == _alignment(n, k)] or rows
         if not rows:
             return None
-        q = (_log2(m), _log2(n), _log2(k))
-        return min(rows, key=lambda r: sum((x - _log2(y)) ** 2 for x, y in zip(q, r[:3])))[4]
+        return min(rows, key=lambda r: _log_distance((m, n, k), r[:3]))[4]
 
     def linear_s(self, m: int, n: int, k: int) -> tuple:
         """(forward, backward) seconds of a linear layer over ``m`` tokens, ``k`` in and ``n`` out features: the

@@ -23,6 +23,7 @@ from ..plan.offload import HostSpec, OffloadSpec, widened
 from ..plan.solver import Evaluation, NoFeasiblePlan, best_placement, evaluate, fewest_offloaded_placed
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
+from ..plan.compute_model import ALIGN_BYTES
 from ..plan.memory import ActivationProfile
 from ..plan.model import from_hf_config, measured
 from . import offload, recompute
@@ -386,10 +387,10 @@ def gemm_dtype(engine, param_dtype: str) -> torch.dtype:
 def misaligned_note(module: torch.nn.Module, dtype: torch.dtype) -> str:
     """A line for the start-up summary naming the linear layers with a width that is not a multiple of 16 bytes (8
     bf16 elements): an LM head over an odd vocabulary, as ``resize_token_embeddings`` leaves one added token. cuBLAS
-    runs their GEMMs on slower kernels; the shape compute model prices them so (``compute_model.ALIGN``). Layers
+    runs their GEMMs on slower kernels; the shape compute model prices them so (``compute_model.ALIGN_BYTES``). Layers
     holding under 0.1 % of the linear layers' weights (a LoRA adapter of rank 4) are not worth padding and go
     unnamed. Empty where there are none."""
-    align = 16 // dtype.itemsize  # ``dtype``: the GEMMs' (``gemm_dtype``)
+    align = ALIGN_BYTES // dtype.itemsize  # ``dtype``: the GEMMs' (``gemm_dtype``)
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
     total = sum(m.in_features * m.out_features for _, m in linears)  # shapes, not numel: weights may be sharded
     odd = [f"{name} ({m.in_features} -> {m.out_features})" for name, m in linears
