@@ -161,28 +161,105 @@ def every_other_layer_run():
     import deepspeed
 
     model = tiny_llama(layers=4)
-    model.activation_checkpointing_enable(every_n_layers=2)
+    model.activation_checkpointing_enable(every_n_layers=2,
+                                          activation_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False})
+    own = model.model.layers[0]._gradient_checkpointing_func
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
                                       config=config({"plan": "solve", "profile": "synthetic", "seq_len": 8}))
     train(engine, steps=2)
     flags = [layer.gradient_checkpointing for layer in model.model.layers]
+    funcs = [layer._gradient_checkpointing_func is own for layer in model.model.layers if layer.gradient_checkpointing]
     k = engine.lins.plan.activation_checkpointing_units
     engine.destroy()
-    return flags, k
+    return flags, k, funcs
 
 
 def test_a_model_checkpointing_every_other_layer_keeps_those_layers_under_a_solved_plan():
     """transformers' ``activation_checkpointing_enable(every_n_layers=2)`` checkpoints layers 0 and 2 of 4: the
     solver takes that count as the model's, and the engine keeps those layers (it used to count the leading run,
-    one, and turn layer 2's checkpointing off)."""
+    one, and turn layer 2's checkpointing off). They keep the model's checkpoint function too, built from its
+    ``activation_checkpointing_kwargs`` (and ``offload=True``, which the engine used to replace with its own)."""
     import inspect
 
     import transformers
 
     if "every_n_layers" not in inspect.signature(transformers.PreTrainedModel.activation_checkpointing_enable).parameters:
         pytest.skip("this transformers has no every_n_layers")
-    flags, k = run(every_other_layer_run, WORLD, gpus_per_node=GPUS_PER_NODE)[0]
+    flags, k, funcs = run(every_other_layer_run, WORLD, gpus_per_node=GPUS_PER_NODE)[0]
     assert k == 2 and flags == [True, False, True, False], (k, flags)
+    assert funcs == [True, True], funcs
+
+
+@pytest.mark.gpu
+def test_a_model_s_activation_offload_still_frees_gpu_memory_under_a_solved_plan(monkeypatch):
+    """On a GPU: transformers' ``activation_checkpointing_enable(offload=True)`` holds what its checkpointed layers
+    save in pinned host memory. Under a solved Lins plan the step's peak falls by as much as without DeepSpeed (the
+    engine used to put its own checkpoint function in the layers, and the offload was lost, silently)."""
+    import gc
+
+    import deepspeed
+
+    from helpers import free_port
+
+    import inspect
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if "offload" not in inspect.signature(getattr(transformers.PreTrainedModel, "activation_checkpointing_enable",
+                                                  lambda: None)).parameters:
+        pytest.skip("this transformers cannot offload checkpointed activations")
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    deepspeed.init_distributed("nccl")
+    x = torch.randint(0, 1024, (4, 2048), device="cuda")
+
+    def peak(offload: bool, lins: bool) -> int:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+            vocab_size=1024, max_position_embeddings=2048))
+        model.activation_checkpointing_enable(offload=offload)
+        if lins:
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config={
+                "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": 0}, "lins": {"plan": "solve", "profile": "synthetic", "seq_len": 2048}})
+            assert engine.lins.plan.activation_checkpointing_units == 8  # the model's own count, kept
+
+            def step():
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+        else:
+            model.cuda()
+            opt = torch.optim.AdamW(model.parameters())
+
+            def step():
+                model(input_ids=x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        got = torch.cuda.max_memory_allocated()
+        if lins:
+            engine.destroy()
+        return got
+
+    def fresh_peak(offload: bool, lins: bool) -> int:
+        got = peak(offload, lins)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return got
+
+    try:
+        plain = fresh_peak(False, False) - fresh_peak(True, False)
+        lins = fresh_peak(False, True) - fresh_peak(True, True)
+    finally:
+        deepspeed.comm.destroy_process_group()
+    print(f"step peak freed by the offload: {plain / 2**20:.0f} MiB without DeepSpeed, {lins / 2**20:.0f} MiB under Lins")
+    assert plain > 16 * 2**20, plain  # at least one layer's saved input (4 x 2048 x 512 fp32: 16 MiB) off the peak
+    assert lins > 0.8 * plain, (lins, plain)
 
 
 # --- solve at start-up ---------------------------------------------------------------------------

@@ -4,7 +4,9 @@ already (``activation_checkpointing_enable``, every n-th with ``every_n_layers``
 
 Hugging Face layers (``GradientCheckpointingLayer``: a ``gradient_checkpointing`` flag and a
 ``_gradient_checkpointing_func``) are switched with their own flag, which also turns their cache off
-under checkpointing; any other module gets its forward wrapped in ``torch.utils.checkpoint`` (non-reentrant).
+under checkpointing. They run the model's own checkpoint function where the model checkpoints layers itself (its
+``activation_checkpointing_kwargs``, and ``offload=True``: the saved activations in pinned host memory), else
+``torch.utils.checkpoint`` (non-reentrant); any other module gets its forward wrapped in the latter.
 Either way the module's hooks stay outside the checkpointed function, so Lins' gather hooks run once per
 forward, and the unit is gathered again before its backward (and so before the recompute).
 """
@@ -32,11 +34,26 @@ def checkpointed_units(layer_modules: list) -> list:
             if all((_is_hf_layer(m) and m.gradient_checkpointing) or hasattr(m, _WRAPPED) for m in mods)]
 
 
-def _set(module: nn.Module, on: bool) -> None:
+_DEFAULT = functools.partial(checkpoint, use_reentrant=False)
+
+
+def model_function(layer_modules: list):
+    """The checkpoint function of a Hugging Face layer the model checkpoints itself, or None: what
+    ``activation_checkpointing_enable`` built from its kwargs and ``offload`` (the same for every layer)."""
+    for mods in layer_modules:
+        for m in mods:
+            if _is_hf_layer(m) and m.gradient_checkpointing and getattr(m, "_gradient_checkpointing_func", None):
+                return m._gradient_checkpointing_func
+    return None
+
+
+def _set(module: nn.Module, on: bool, func=None) -> None:
+    """Checkpointing on or off; ``func`` (on) is a Hugging Face layer's checkpoint function, which stays as it is
+    without one."""
     if _is_hf_layer(module):
         module.gradient_checkpointing = on
-        if on:
-            module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        if on and func is not None:
+            module._gradient_checkpointing_func = func
         return
     if on and not hasattr(module, _WRAPPED):
         forward = module.forward
@@ -69,9 +86,11 @@ def disabled(module: nn.Module):
 
 def apply(layer_modules: list, k: int, keep_own: bool = False) -> None:
     """Checkpoint ``k`` layer units (each a list of modules), not the others: the first ``k``, or with ``keep_own``
-    those the model checkpoints already where they are ``k`` (a pattern such as HF's ``every_n_layers``)."""
+    those the model checkpoints already where they are ``k`` (a pattern such as HF's ``every_n_layers``). Every
+    Hugging Face layer it checkpoints runs the model's own checkpoint function where it has one."""
     own = set(checkpointed_units(layer_modules))
     units = own if keep_own and len(own) == k else set(range(k))
+    func = model_function(layer_modules) or _DEFAULT
     for i, mods in enumerate(layer_modules):
         for m in mods:
-            _set(m, i in units)
+            _set(m, i in units, func)
