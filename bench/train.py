@@ -151,7 +151,10 @@ def build_engine(args, ds_config: dict, device: torch.device):
     with model_init_context(ds_config, device):
         model = build_model(args.model, args.seq_len)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 deprecates the older name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine, model, time.perf_counter() - t0
 

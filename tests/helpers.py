@@ -135,7 +135,11 @@ def freeze_some(model):
 def checkpointed(make, reentrant: bool):
     def build():
         m = make()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        kwargs = {"use_reentrant": reentrant}
+        if hasattr(m, "activation_checkpointing_enable"):  # transformers 5.24 deprecates the older name
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return m
     return build
 
