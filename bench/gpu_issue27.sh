@@ -31,6 +31,9 @@
 # the reference shape, and the same model with a vocabulary of 128258 and of 128260, both systems.
 # GRID=19 (STEPS=10 WARMUP=4): the reference shape, the vocabularies of 128256 and 128258 again on one machine, and a
 # Phi-3-like model (fused QKV and gate-up projections), both systems.
+# GRID=20 and 21 (MODES=zero1 STEPS=20 WARMUP=4): a fourth DeepSpeed ZeRO-1 run of every grid shape, on one more
+# machine, the reference first in each call. ZeRO-1's three runs repeated within 3 % on 5 of 23 shapes (Lins' on 18),
+# so it gets one more run each; a shape is held at the median of its runs.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -104,7 +107,9 @@ case "${GRID:-1}" in  # "<run name>:<base name>", in the order they run
   17) RUNS="ref18:ref f1b:f1 f5:f5 f6:f6 n12u:n12" ;;
   18) RUNS="ref19:ref f7:f7 f8:f8" ;;
   19) RUNS="ref20:ref f6b:f6 f7b:f7 f9:f9" ;;
-  *) echo "GRID=${GRID}: 1 to 19" >&2; exit 2 ;;
+  20) RUNS="ref21:ref s2u:s2 s3u:s3 s4u:s4 s5u:s5 s6u:s6 s7u:s7 s8u:s8 s9u:s9 n1u:n1 n2u:n2 n3u:n3" ;;
+  21) RUNS="ref22:ref n4u:n4 n5u:n5 n6u:n6 n7u:n7 n8u:n8 n9u:n9 n10u:n10 n11u:n11 n12v:n12 n13u:n13 n14u:n14" ;;
+  *) echo "GRID=${GRID}: 1 to 21" >&2; exit 2 ;;
 esac
 # The GPU's clocks, power and throttle reasons every 250 ms beside the steps (bench/train.py: step_end_unix)
 nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \

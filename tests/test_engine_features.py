@@ -183,7 +183,8 @@ def test_a_model_checkpointing_every_other_layer_keeps_those_layers_under_a_solv
 
     import transformers
 
-    if "every_n_layers" not in inspect.signature(transformers.PreTrainedModel.activation_checkpointing_enable).parameters:
+    enable = getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", lambda: None)
+    if "every_n_layers" not in inspect.signature(enable).parameters:
         pytest.skip("this transformers has no every_n_layers")
     flags, k, funcs = run(every_other_layer_run, WORLD, gpus_per_node=GPUS_PER_NODE)[0]
     assert k == 2 and flags == [True, False, True, False], (k, flags)
