@@ -239,18 +239,24 @@ def test_the_memory_bound_bytes_are_those_hugging_face_layers_move():
     """The shape model's element-wise traffic (``ELEMENTWISE_BYTES``, ``HEAD_BYTES``) is what the installed
     transformers' LLaMA moves through its non-GEMM kernels, counted op by op on the CPU for shapes of other widths,
     depths, KV heads and vocabularies: a new transformers whose layers move other bytes fails here."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
-    from lins_ds.plan.compute_model import ELEMENTWISE_BYTES, HEAD_BYTES
+    from lins_ds.plan.compute_model import ELEMENTWISE_BYTES, FUSED_BYTES, HEAD_BYTES
     from lins_ds.plan.model import ModelSpec
 
     # widths apart, intermediate-to-hidden ratios apart (2, 4, 2.7), KV heads, depths and vocabularies; a Qwen3 with
-    # its heads wider than hidden / heads (head_dim 96) and its queries' and keys' norms
+    # its heads wider than hidden / heads (head_dim 96) and its queries' and keys' norms; a Phi-3 (fused projections)
     for arch, h, i, heads, kv, layers, vocab in (("llama", 384, 1536, 6, 6, 3, 1000), ("llama", 512, 1024, 8, 2, 2, 768),
                                                  ("llama", 768, 2048, 12, 4, 1, 512), ("gpt2", 384, 1536, 6, 6, 2, 1000),
-                                                 ("gpt2", 512, 1024, 8, 8, 1, 768), ("qwen3", 384, 1024, 6, 2, 2, 768)):
+                                                 ("gpt2", 512, 1024, 8, 8, 1, 768), ("qwen3", 384, 1024, 6, 2, 2, 768),
+                                                 ("phi3", 768, 1536, 12, 4, 2, 768)):
         head_dim = 96 if arch == "qwen3" else 0
-        if arch == "llama":
+        if arch == "phi3":
+            cfg, cls = Phi3Config(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv,
+                                  num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=False,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2), Phi3ForCausalLM
+        elif arch == "llama":
             cfg, cls = LlamaConfig(hidden_size=h, intermediate_size=i, num_attention_heads=heads,
                                    num_key_value_heads=kv, num_hidden_layers=layers, vocab_size=vocab,
                                    tie_word_embeddings=False), LlamaForCausalLM
@@ -262,13 +268,15 @@ def test_the_memory_bound_bytes_are_those_hugging_face_layers_move():
             cfg, cls = GPT2Config(n_embd=h, n_inner=i, n_head=heads, n_layer=layers, vocab_size=vocab,
                                   n_positions=512, bos_token_id=0, eos_token_id=0, attn_pdrop=0.0), GPT2LMHeadModel
         spec = ModelSpec("m", "gpt2" if arch == "gpt2" else "llama", layers, h, i, vocab, heads, kv,
-                         head_dim=head_dim, qk_norm=arch == "qwen3")
+                         head_dim=head_dim, qk_norm=arch == "qwen3", fused_projections=arch == "phi3")
         fwd, bwd = _counted_bytes(cls, cfg, 512)
         for got, way, w in ((fwd, "forward", 0), (bwd, "backward", 1)):
             c, head = ELEMENTWISE_BYTES[spec.arch][way], HEAD_BYTES[spec.arch]
             qk = c["qk_norm"] * (spec.q_dim + spec.kv_dim) if spec.qk_norm else 0
             wide = c.get("q", 0) * (spec.q_dim - h)
-            model = (layers * (c["hidden"] * h + c["intermediate"] * i + c["kv"] * spec.kv_dim + wide + qk)
+            f = FUSED_BYTES[way]
+            fused = f["hidden"] * h + f["intermediate"] * i + f["kv"] * spec.kv_dim if spec.fused_projections else 0
+            model = (layers * (c["hidden"] * h + c["intermediate"] * i + c["kv"] * spec.kv_dim + wide + qk + fused)
                      + head["hidden"][w] * h + head["logit"][w] * vocab)
             assert model == pytest.approx(got, rel=0.03), (arch, h, i, kv, layers, vocab, way)
 

@@ -50,6 +50,12 @@ ELEMENTWISE_BYTES = {
     "gpt2": {"forward": {"hidden": 56, "intermediate": 36, "kv": 0},
              "backward": {"hidden": 57, "intermediate": 58, "kv": 0}},
 }
+# Phi-3's fused QKV and gate-up projections, on top of a LLaMA layer's bytes: their outputs sliced apart (and its
+# rotary's cat of rotated and passed-through parts), and in the backward the slices' gradients put back together
+# (slice_backward, the adds that sum them, a cat for the gate-up halves). Per token and unit, counted against a
+# LLaMA of the same shapes (the same counter; exact over five shapes). Its GEMMs are priced as the separate ones.
+FUSED_BYTES = {"forward": {"hidden": 8, "intermediate": 0, "kv": 4},
+               "backward": {"hidden": 10, "intermediate": 8, "kv": 48}}
 # per token outside the layers (the final norm, the embedding) per hidden unit, and per logit (the loss casts the
 # logits to fp32, log-softmax, NLL, and their gradient), (forward, backward)
 HEAD_BYTES = {"llama": {"hidden": (38, 97), "logit": (20, 28)}, "gpt2": {"hidden": (31, 24), "logit": (19, 28)}}
@@ -248,7 +254,9 @@ def _layer_bytes(model: ModelSpec, way: str) -> float:
     c = ELEMENTWISE_BYTES[_arch(model)][way]
     qk = c.get("qk_norm", 0) * (model.q_dim + model.kv_dim) if model.qk_norm else 0
     wide = c.get("q", 0) * (model.q_dim - model.hidden)  # 0 where heads x head_dim = hidden (LLaMA, GPT-2)
-    return c["hidden"] * model.hidden + c["intermediate"] * i + c["kv"] * model.kv_dim + wide + qk
+    f = FUSED_BYTES[way] if model.fused_projections else {"hidden": 0, "intermediate": 0, "kv": 0}
+    return ((c["hidden"] + f["hidden"]) * model.hidden + (c["intermediate"] + f["intermediate"]) * i
+            + (c["kv"] + f["kv"]) * model.kv_dim + wide + qk)
 
 
 def step_compute(model: ModelSpec, train: TrainingSpec, table: ComputeTable, ckpt_units: int = 0) -> StepCompute:

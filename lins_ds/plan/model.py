@@ -33,6 +33,7 @@ class ModelSpec:
     head_dim: int = 0  # attention head width where it is not hidden / heads (gemma); 0: hidden // heads
     norms_per_layer: int = 2  # RMSNorms in a layer (gemma2/3: 4)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys (qwen3, gemma3)
+    fused_projections: bool = False  # one QKV and one gate-up linear layer, their outputs sliced (phi3)
     experts: int = 0  # MoE: routed experts per layer (0: a dense MLP of ``intermediate``)
     experts_per_token: int = 0  # MoE: top-k
     shared_intermediate: int = 0  # MoE: a shared expert's width (qwen2_moe), with its own gate
@@ -153,7 +154,7 @@ def _llama_like(cfg: dict, name: str, mtype: str, **extra) -> ModelSpec:
         attention_bias=bool(cfg.get("attention_bias", mtype in ("qwen2", "qwen2_moe"))),
         head_dim=head_dim if own_width else 0,
         norms_per_layer=4 if mtype in ("gemma2", "gemma3_text") else 2,
-        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"), **extra)
+        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"), fused_projections=mtype == "phi3", **extra)
 
 
 def from_hf_config(cfg: dict, name: str) -> ModelSpec:
