@@ -191,6 +191,37 @@ def test_a_model_checkpointing_every_other_layer_keeps_those_layers_under_a_solv
     assert funcs == [True, True], funcs
 
 
+def test_the_model_s_checkpoint_function_outlives_a_plan_that_turns_its_layers_off():
+    """``recompute.apply`` across plans (a relayout to another k): after a plan with k = 0, a later k = 2 still runs
+    the function the model was given; after ``activation_checkpointing_disable`` (which leaves the bare
+    ``checkpoint``), the engine's non-reentrant one."""
+    import functools
+    import inspect
+
+    from lins_ds.runtime import recompute
+
+    enable = getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", None)
+    if enable is None or "activation_checkpointing_kwargs" not in inspect.signature(enable).parameters:
+        pytest.skip("this transformers has no activation_checkpointing_enable")
+    model = tiny_llama(layers=4)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                          "preserve_rng_state": False})
+    own = model.model.layers[0]._gradient_checkpointing_func
+    units = [[layer] for layer in model.model.layers]
+    recompute.apply(units, 0)
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+    recompute.apply(units, 2)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, True, False, False]
+    assert all(layer._gradient_checkpointing_func is own for layer in model.model.layers[:2])
+    with recompute.disabled(model.model.layers[0]):  # the memory probe's way round: the same function after
+        assert not model.model.layers[0].gradient_checkpointing
+    assert model.model.layers[0].gradient_checkpointing and model.model.layers[0]._gradient_checkpointing_func is own
+    model.activation_checkpointing_disable()
+    recompute.apply(units, 1)
+    func = model.model.layers[0]._gradient_checkpointing_func
+    assert isinstance(func, functools.partial) and func.keywords == {"use_reentrant": False}, func
+
+
 @pytest.mark.gpu
 def test_a_model_s_activation_offload_still_frees_gpu_memory_under_a_solved_plan(monkeypatch):
     """On a GPU: transformers' ``activation_checkpointing_enable(offload=True)`` holds what its checkpointed layers

@@ -4,8 +4,8 @@ already (``activation_checkpointing_enable``, every n-th with ``every_n_layers``
 
 Hugging Face layers (``GradientCheckpointingLayer``: a ``gradient_checkpointing`` flag and a
 ``_gradient_checkpointing_func``) are switched with their own flag, which also turns their cache off
-under checkpointing. They run the model's own checkpoint function where the model checkpoints layers itself (its
-``activation_checkpointing_kwargs``, and ``offload=True``: the saved activations in pinned host memory), else
+under checkpointing. They run the checkpoint function the model was given (``activation_checkpointing_enable``:
+its ``activation_checkpointing_kwargs``, and ``offload=True``, the saved activations in pinned host memory), else
 ``torch.utils.checkpoint`` (non-reentrant); any other module gets its forward wrapped in the latter.
 Either way the module's hooks stay outside the checkpointed function, so Lins' gather hooks run once per
 forward, and the unit is gathered again before its backward (and so before the recompute).
@@ -38,12 +38,15 @@ _DEFAULT = functools.partial(checkpoint, use_reentrant=False)
 
 
 def model_function(layer_modules: list):
-    """The checkpoint function of a Hugging Face layer the model checkpoints itself, or None: what
-    ``activation_checkpointing_enable`` built from its kwargs and ``offload`` (the same for every layer)."""
+    """The checkpoint function the model's Hugging Face layers were given, or None: what
+    ``activation_checkpointing_enable`` built from its kwargs and ``offload`` (the same for every layer; it stays
+    in a layer a plan has turned off). Not the engine's own, nor the bare ``checkpoint`` that
+    ``activation_checkpointing_disable`` leaves behind."""
     for mods in layer_modules:
         for m in mods:
-            if _is_hf_layer(m) and m.gradient_checkpointing and getattr(m, "_gradient_checkpointing_func", None):
-                return m._gradient_checkpointing_func
+            func = getattr(m, "_gradient_checkpointing_func", None) if _is_hf_layer(m) else None
+            if func is not None and func is not _DEFAULT and func is not checkpoint:
+                return func
     return None
 
 
@@ -87,7 +90,7 @@ def disabled(module: nn.Module):
 def apply(layer_modules: list, k: int, keep_own: bool = False) -> None:
     """Checkpoint ``k`` layer units (each a list of modules), not the others: the first ``k``, or with ``keep_own``
     those the model checkpoints already where they are ``k`` (a pattern such as HF's ``every_n_layers``). Every
-    Hugging Face layer it checkpoints runs the model's own checkpoint function where it has one."""
+    Hugging Face layer it checkpoints runs the checkpoint function the model was given, where it was given one."""
     own = set(checkpointed_units(layer_modules))
     units = own if keep_own and len(own) == k else set(range(k))
     func = model_function(layer_modules) or _DEFAULT
