@@ -281,6 +281,29 @@ def test_the_memory_bound_bytes_are_those_hugging_face_layers_move():
             assert model == pytest.approx(got, rel=0.03), (arch, h, i, kv, layers, vocab, way)
 
 
+def test_a_phi3_layer_moves_exactly_the_fused_bytes_more_than_a_llama_layer():
+    """``FUSED_BYTES`` is exact: per token, a Phi-3 layer's non-GEMM kernels move that many bytes more than a LLaMA
+    layer of the same shapes (one layer and two apart, so the head cancels), for widths, intermediates and KV heads
+    apart."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    from lins_ds.plan.compute_model import FUSED_BYTES
+
+    for h, i, heads, kv in ((256, 1024, 4, 4), (640, 1280, 10, 5)):
+        extra = []
+        for layers in (1, 2):
+            kw = dict(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv,
+                      num_hidden_layers=layers, vocab_size=256, tie_word_embeddings=False)
+            llama = _counted_bytes(LlamaForCausalLM, LlamaConfig(**kw), 128)
+            phi3 = _counted_bytes(Phi3ForCausalLM, Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw), 128)
+            extra.append([p - q for p, q in zip(phi3, llama)])
+        kv_dim = kv * h // heads
+        for w, way in enumerate(("forward", "backward")):
+            f = FUSED_BYTES[way]
+            assert extra[1][w] - extra[0][w] == f["hidden"] * h + f["intermediate"] * i + f["kv"] * kv_dim, (h, way)
+            assert extra[0][w] == extra[1][w] - extra[0][w]  # nothing outside the layers
+
+
 def test_held_out_shapes_on_one_h200(capsys):
     """The committed one-H200 grid (23 shapes; calls 1-13 measured every shape at least three times under each
     system, calls 30-31 a fourth time under DeepSpeed ZeRO-1): fitted on half the shapes, each shape of the other
