@@ -32,8 +32,8 @@
 # GRID=19 (STEPS=10 WARMUP=4): the reference shape, the vocabularies of 128256 and 128258 again on one machine, and a
 # Phi-3-like model (fused QKV and gate-up projections), both systems.
 # GRID=20 and 21 (MODES=zero1 STEPS=20 WARMUP=4): a fourth DeepSpeed ZeRO-1 run of every grid shape, on one more
-# machine, the reference first in each call. ZeRO-1's three runs repeated within 3 % on 5 of 23 shapes (Lins' on 18),
-# so it gets one more run each; a shape is held at the median of its runs.
+# machine, the reference first in each call. A shape's ZeRO-1 runs spread more than its Lins runs (slowest over
+# fastest: median 7 % against 2 % on calls 1-13), so it gets one more run each; a shape is held at the median of its runs.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
