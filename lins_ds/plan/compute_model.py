@@ -254,9 +254,11 @@ def _layer_bytes(model: ModelSpec, way: str) -> float:
     c = ELEMENTWISE_BYTES[_arch(model)][way]
     qk = c.get("qk_norm", 0) * (model.q_dim + model.kv_dim) if model.qk_norm else 0
     wide = c.get("q", 0) * (model.q_dim - model.hidden)  # 0 where heads x head_dim = hidden (LLaMA, GPT-2)
-    f = FUSED_BYTES[way] if model.fused_projections else {"hidden": 0, "intermediate": 0, "kv": 0}
-    return ((c["hidden"] + f["hidden"]) * model.hidden + (c["intermediate"] + f["intermediate"]) * i
-            + (c["kv"] + f["kv"]) * model.kv_dim + wide + qk)
+    total = c["hidden"] * model.hidden + c["intermediate"] * i + c["kv"] * model.kv_dim + wide + qk
+    if model.fused_projections:
+        f = FUSED_BYTES[way]
+        total += f["hidden"] * model.hidden + f["intermediate"] * i + f["kv"] * model.kv_dim
+    return total
 
 
 def step_compute(model: ModelSpec, train: TrainingSpec, table: ComputeTable, ckpt_units: int = 0) -> StepCompute:
