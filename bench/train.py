@@ -62,6 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "backward is done, as `outputs = model(**batch); loss = outputs.loss; backward(loss)` loops do")
     p.add_argument("--ds-set", action="append", default=[], metavar="KEY=JSON",
                    help="set a key of the DeepSpeed config, dotted, e.g. zero_optimization.offload_optimizer.ratio=0.5")
+    p.add_argument("--lins-seq-len", default="from --seq-len", help="lins.seq_len as JSON: 'null' leaves it unset "
+                   "(the training batches size the plan, as a config from the hub would); default: --seq-len")
+    p.add_argument("--read-after-step", action="store_true", help="after every step read every parameter as an EMA "
+                   "does (model.parameters(), at once), then after engine.lins.wait(), and record both sums; a "
+                   "partitioned parameter is read inside GatheredParameters, one at a time")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1)
@@ -101,7 +106,10 @@ def ds_config_for(args: argparse.Namespace) -> dict:
             cfg[key] = value
             cfg.pop("train_batch_size", None)
     if isinstance(cfg.get("lins"), dict):
-        cfg["lins"].setdefault("seq_len", args.seq_len)  # what the solver sizes activations for
+        seq = args.seq_len if args.lins_seq_len == "from --seq-len" else json.loads(args.lins_seq_len)
+        cfg["lins"].setdefault("seq_len", seq)  # what the solver sizes activations for (None: the batches decide)
+        if cfg["lins"]["seq_len"] is None:
+            del cfg["lins"]["seq_len"]
         keep, parse = (lambda v: v), json.loads
         overrides = (("gpu_memory_gb", args.lins_memory_gb, keep), ("plan", args.lins_plan, parse),
                      ("activation_checkpointing", args.lins_checkpointing, parse), ("init", args.lins_init, keep),
@@ -182,6 +190,7 @@ def train(args, engine, model, device) -> tuple:
                         args.seed + rank, device)
     gas = engine.gradient_accumulation_steps()
     losses, times, ends, breakdown, tracer, memory = [], [], [], [], trace(args, rank, cuda), Memory(cuda)
+    reads = []
     memory.mark("after deepspeed.initialize")
     for step in range(args.steps):
         if tracer is not None and step == args.warmup_steps:
@@ -207,6 +216,8 @@ def train(args, engine, model, device) -> tuple:
             clock.lap("step")
             memory.mark(f"step {micro}") if step == 0 else None
             total += loss.detach().float() / gas
+        if args.read_after_step:
+            reads.append(read_after_step(engine))
         breakdown.append(clock.seconds)
         dist.all_reduce(total)
         if cuda:
@@ -222,7 +233,35 @@ def train(args, engine, model, device) -> tuple:
             tracer = None
     timed = breakdown[args.warmup_steps:] or breakdown
     medians = {k: statistics.median(b[k] for b in timed) for k in timed[0]} if timed and timed[0] else None
+    train.reads = reads
     return losses, (times, ends), memory.phases, medians
+
+
+def read_after_step(engine) -> dict:
+    """Right after step(): every parameter summed (fp64) as an EMA reads it, through model.parameters(); then, after
+    engine.lins.wait(), the same tensors summed again without going through the module. Parameters a plan partitions
+    are read one at a time inside GatheredParameters (what code written for ZeRO-3 does)."""
+    import deepspeed
+
+    def total(params, gathered) -> float:
+        s = torch.zeros((), dtype=torch.float64, device=engine.device)
+        for p in params:
+            if gathered and hasattr(p, "ds_id"):
+                with deepspeed.zero.GatheredParameters([p]):
+                    s += p.detach().double().sum()
+            else:
+                s += p.detach().double().sum()
+        return s.item()
+
+    t0 = time.perf_counter()
+    params = list(engine.module.parameters())  # the read itself: what an EMA's step(model.parameters()) does
+    empty = sum(1 for p in params if p.numel() == 0)
+    first = total(params, True)
+    lins = getattr(engine, "lins", None)
+    if lins is not None:
+        lins.wait()
+    return {"read": first, "after_wait": total(params, True), "empty_outside_forward": empty,
+            "read_s": time.perf_counter() - t0}
 
 
 class Phases:
@@ -301,7 +340,14 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
         "plan": lins.plan.to_json() if lins is not None else None,
         "offload": offload_summary(engine, len(times)),
         "tune": getattr(engine, "lins_tune_report", None),  # "plan": "tune": every candidate, predicted and measured
+        "reads_after_step": getattr(train, "reads", None) or None,  # --read-after-step
+        "planned_seq_len": lins_seq(engine),
     }
+
+
+def lins_seq(engine):
+    ctx = getattr(engine, "_lins_solve", None)
+    return ctx.train.seq_len if ctx is not None else None
 
 
 def max_over_ranks(x: float, cuda: bool = True) -> float:
