@@ -67,7 +67,30 @@ def patch(name: str) -> None:
             import lins_ds  # noqa: F401
         finally:
             importing = False
+        _watch_program_import()
     sys.modules["lins_ds"].post_import(name)
+
+
+def _watch_program_import() -> None:
+    """This hook imported lins_ds before the program did: the program's own ``import lins_ds`` (or ``from lins_ds
+    import ...``) later finds it cached and runs nothing, so it is noticed here, at the import statement, and makes
+    Lins explicit. Undone once it is."""
+    import builtins
+
+    real = builtins.__import__
+
+    def __import__(name, globals=None, locals=None, fromlist=(), level=0):
+        global explicit
+        if level == 0 and (name == "lins_ds" or name.startswith("lins_ds.")) and not explicit:
+            caller = (globals or {}).get("__name__") or ""
+            if caller != __name__ and caller != "lins_ds" and not caller.startswith("lins_ds."):
+                explicit = True
+                if builtins.__import__ is __import__:
+                    builtins.__import__ = real
+        return real(name, globals, locals, fromlist, level)
+
+    if not explicit:
+        builtins.__import__ = __import__
 
 
 def _imported(name: str) -> bool:

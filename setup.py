@@ -30,7 +30,7 @@ setup(
     # The planner (lins_ds.plan, `lins-ds plan`) is pure Python; the engine needs torch and deepspeed.
     install_requires=["deepspeed>=0.19.6,<0.20", "torch>=2.4"],
     extras_require={
-        "test": ["pytest", "transformers", "accelerate", "safetensors", "matplotlib", "peft"],
+        "test": ["pytest", "transformers", "accelerate", "safetensors", "matplotlib", "peft", "trl"],
         "bench": ["matplotlib", "tqdm"],
     },
     entry_points={"console_scripts": ["lins-ds=lins_ds.cli:main"]},

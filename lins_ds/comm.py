@@ -12,6 +12,7 @@ Tensor collectives go through ``deepspeed.comm`` so DeepSpeed's comms logger see
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import os
 import time
@@ -171,6 +172,7 @@ class Groups:
         self.issued: Optional[list] = [] if check_order else None  # what this rank issued since the last check
         self._pg: dict = {}
         self.members: dict = {}
+        _cpu_group()  # made here, where every rank is, for the agreements outside any collective schedule
         for kind in GROUP_KINDS:
             for ranks in all_groups(topo, layout, kind):  # every rank creates every group, same order
                 if len(ranks) == 1:
@@ -262,6 +264,46 @@ def timed_collective(op: str, out: torch.Tensor, inp: torch.Tensor, pg, src: int
         tdist.all_reduce(out, group=pg)
     else:
         tdist.broadcast(out, src=src, group=pg)
+
+
+_CPU_GROUP: dict = {}  # the world group -> a gloo group of every rank, for small host-side agreements
+
+
+def _cpu_group():
+    """Every rank in a gloo group of Lins' own (never the world group: a monitored barrier that times out there
+    would upset the script's own collectives), created at the first call under this world: every rank must make
+    that call at the same point."""
+    world = tdist.group.WORLD
+    if world not in _CPU_GROUP:
+        _CPU_GROUP.clear()
+        _CPU_GROUP[world] = tdist.new_group(list(range(world_size())), backend="gloo")
+    return _CPU_GROUP[world]
+
+
+def max_over_world_cpu(x: int) -> int:
+    """The largest ``x`` of every rank, agreed over a CPU group: no device work is waited for."""
+    if world_size() == 1:
+        return int(x)
+    t = torch.tensor([int(x)], dtype=torch.int64)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=_cpu_group())
+    return int(t.item())
+
+
+ARRIVE_TIMEOUT_ENV = "LINS_ARRIVE_TIMEOUT_S"  # how long all_ranks_arrive waits for the others (default 600 s:
+# NCCL's own default timeout, so ranks merely late, say after an evaluation on rank 0, are not failed)
+
+
+def all_ranks_arrive(why: str) -> None:
+    """Before a collective only some ranks may reach (a gather inside ``state_dict``): wait for every rank at a
+    monitored barrier, and where one does not come, raise naming it and ``why``, instead of hanging."""
+    if world_size() == 1:
+        return
+    timeout = float(os.environ.get(ARRIVE_TIMEOUT_ENV, "600") or 600)
+    try:
+        tdist.monitored_barrier(group=_cpu_group(), timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"lins: not every rank got here within {timeout:g} s ({ARRIVE_TIMEOUT_ENV}): {why}. "
+                           f"[{str(e).splitlines()[0]}]") from None
 
 
 def max_over_world(x: float, device) -> float:

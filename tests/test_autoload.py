@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import cpu_env, free_port, launch, torchrun
+from helpers import ROOT, cpu_env, free_port, launch, torchrun
 
 SCRIPT = '''
 import json, sys
@@ -133,3 +133,17 @@ def test_lins_is_on_unless_the_variable_turns_it_off(monkeypatch):
         assert hook.lins_on() is on, value
     monkeypatch.setattr(hook, "explicit", True)  # the program imported lins_ds: on whatever the variable says
     assert hook.lins_on()
+
+
+def test_importing_lins_ds_after_transformers_is_the_programs_own_import():
+    """transformers' import brings lins_ds in through the hook first; the program's own `import lins_ds` (or `from
+    lins_ds import ...`) afterwards finds it loaded, and must still count: Lins is on with LINS_DS_AUTOLOAD=0."""
+    code = ("import transformers.modeling_utils, lins_ds_autoload as h, sys\n"
+            "before = ('lins_ds' in sys.modules, h.lins_on())\n"
+            "import json\n"
+            "unrelated = h.lins_on()\n"
+            "from lins_ds import init\n"
+            "print(before, unrelated, h.lins_on())\n")
+    env = {**os.environ, "LINS_DS_AUTOLOAD": "0", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/").stdout
+    assert out.strip().endswith("(True, False) False True"), out

@@ -105,7 +105,7 @@ def test_a_broken_checkpoint_file_is_named_on_every_rank(tmp_path):
         assert "meta.json is unreadable" in r["meta"]
         assert all(v.startswith("LinsCheckpointError") for k, v in r.items() if k != "after")
         assert r["after"].endswith("global_step1")
-    assert sorted(os.listdir(ckpt)) == ["global_step1", "latest"]
+    assert sorted(os.listdir(ckpt)) == ["global_step1", "latest", "zero_to_fp32.py"]
 
 
 def test_consolidate_names_a_truncated_frozen_file_and_foreign_checkpoints(tmp_path, capsys):

@@ -338,7 +338,7 @@ def test_bad_config_is_named_with_its_key_value_and_rule(lins, stage, needle):
     from lins_ds.plan import PlanError
 
     with pytest.raises(PlanError) as e:
-        validate(config(lins), stage, True, WORLD, GPUS_PER_NODE)
+        validate(config(lins), stage, WORLD, GPUS_PER_NODE)
     assert needle in str(e.value)
 
 

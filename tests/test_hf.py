@@ -20,10 +20,20 @@ def trainer(config, out, *extra, launcher=None):
     cmd = (launcher or torchrun(2)) + [EXAMPLE, "--output_dir", str(out), "--logging_steps", "1", "--report_to",
                                        "none", "--learning_rate", "1e-3", "--seed", "7", *extra]
     if config:
-        cmd += ["--deepspeed", os.path.join(ROOT, "ds_configs", config)]
+        cmd += ["--deepspeed", os.path.join(ROOT, "ds_configs", config)]  # an absolute path stays what it is
     launch(cmd)
     with open(os.path.join(out, "losses.json")) as f:
         return json.load(f)
+
+
+def sharded_load(tmp_path) -> str:
+    """hf_lins.json with ``"sharded_load": true``: the tiny model would load whole on every rank by default."""
+    with open(os.path.join(ROOT, "ds_configs", "hf_lins.json")) as f:
+        cfg = json.load(f)
+    cfg["lins"]["sharded_load"] = True
+    path = tmp_path / "hf_lins_sharded.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
 
 
 def losses(run):
@@ -73,7 +83,7 @@ def test_a_model_built_from_config_trains_step_by_step_as_zero1_does(tmp_path):
     """run_clm.py's way: from_config while a Lins TrainingArguments is alive builds sharded, with the eager build's
     initial values (lins.init "eager"), so its losses are ZeRO-1's from the first step."""
     args = ("--max_steps", "4", "--per_device_train_batch_size", "4", "--save_strategy", "no", "--from_config", "true")
-    lins = trainer("hf_lins.json", tmp_path / "lins", *args)
+    lins = trainer(sharded_load(tmp_path), tmp_path / "lins", *args)
     zero1 = trainer("hf_zero1.json", tmp_path / "zero1", *args, launcher=torchrun(2) + ["-m", "lins_ds.run"])
     assert lins["engine"] == "LinsEngine"
     assert max(abs(a - b) for a, b in zip(losses(lins), losses(zero1))) <= 1e-5, (losses(lins), losses(zero1))
@@ -119,7 +129,7 @@ def test_lora_under_the_trainer_on_a_sharded_build_is_lora_on_an_eager_one(tmp_p
     from safetensors.torch import load_file
 
     args = ("--max_steps", "5", "--per_device_train_batch_size", "4", "--save_strategy", "no", "--lora_r", "4")
-    sharded = trainer("hf_lins.json", tmp_path / "sharded", *args, "--from_config", "true")
+    sharded = trainer(sharded_load(tmp_path), tmp_path / "sharded", *args, "--from_config", "true")
     eager = trainer("hf_lins.json", tmp_path / "eager", *args)
     assert sharded["engine"] == eager["engine"] == "LinsEngine"
     assert max(abs(a - b) for a, b in zip(losses(sharded), losses(eager))) <= 1e-6, (losses(sharded), losses(eager))

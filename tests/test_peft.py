@@ -34,6 +34,7 @@ def adapted(path, form, init):
         with lins_ds.init(config=cfg):
             base = transformers.AutoModelForCausalLM.from_pretrained(path)
         return peft.get_peft_model(base, lora)
+    cfg["lins"]["sharded_load"] = True  # the tiny model would load whole on every rank by default
     args = transformers.TrainingArguments(output_dir="unused", deepspeed=cfg, report_to="none")  # noqa: F841
     return peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path), lora)
 

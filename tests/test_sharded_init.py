@@ -59,7 +59,7 @@ def initial_state(plan, gpus_per_node):
     engine.backward(loss)
     engine.step()
     engine.destroy()
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # a released one is empty (ZeRO-3's)
     return before, state, held, total, max_unit, shard_elements, engine.lins.layout.p.size
 
 
@@ -200,7 +200,11 @@ def other_forms(path, ckpt):
     # TrainingArguments(deepspeed=<lins config>) alive: from_pretrained builds sharded by itself
     args = transformers.TrainingArguments(output_dir=os.path.dirname(ckpt), deepspeed=cfg, report_to=[],
                                           per_device_train_batch_size=2)
-    trainer_meta = all(p.is_meta for p in transformers.AutoModelForCausalLM.from_pretrained(path).parameters())
+    eager = not any(p.is_meta for p in transformers.AutoModelForCausalLM.from_pretrained(path).parameters())
+    del args  # a tiny model: whole on every rank, unless lins.sharded_load says otherwise
+    args = transformers.TrainingArguments(output_dir=os.path.dirname(ckpt), report_to=[], per_device_train_batch_size=2,
+                                          deepspeed={**cfg, "lins": {**cfg["lins"], "sharded_load": True}})
+    trainer_meta = eager and all(p.is_meta for p in transformers.AutoModelForCausalLM.from_pretrained(path).parameters())
     del args
     with lins_ds.init(config=cfg):  # a layout-free Lins checkpoint loads into a model built this way
         model = transformers.LlamaForCausalLM(llama_config())
@@ -238,8 +242,8 @@ def build_rss(sharded: bool):
         model = transformers.LlamaForCausalLM(big)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     peak = peak_rss()
-    size = sum(p.numel() for p in model.parameters()) * 4
-    largest = max(p.numel() for p in model.parameters()) * 4
+    size = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * 4
+    largest = max(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * 4
     engine.destroy()
     return peak - base, size, largest
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine)
-from helpers import GAS, GPUS_PER_NODE, WORLD, batch, config, param_groups, run, tiny_llama
+from helpers import GAS, GPUS_PER_NODE, SEQ, WORLD, batch, config, param_groups, run, tiny_llama
 from lins_ds.plan import Factor, Layout, Topology, candidates, get_cluster
 from lins_ds.plan import cost
 from lins_ds.plan import tune as choose
@@ -110,8 +110,8 @@ def failed_moves(tmp: str):
     from lins_ds.runtime import runtime as rt_module
 
     engine = _engine({"plan": {"p": [1, 1], "g": [1, 1], "os": [1, 1]}, "host_optimizer": "torch"})
-    base = engine.lins.plan
     _steps(engine, 0, 1)
+    base = engine.lins.plan  # as the first batch sized it
     if torch.distributed.get_rank() == 1:
         real_moved, real_unit, calls = opt_module._moved, rt_module.build_unit, []
 
@@ -190,18 +190,21 @@ def slow_all_reduce_profile(path: str) -> str:
     return path
 
 
-def tune_config(tmp: str, **tune) -> dict:
+def tune_config(tmp: str, seq_len=SEQ, **tune) -> dict:
+    """``seq_len`` None: the batches say it, and the trials start at the first (``test_tuning_waits_for_...``)."""
     return {"plan": "tune", "profile": f"{tmp}/profile.json", "profile_cache": f"{tmp}/cache",
-            "activation_checkpointing": False, "host_optimizer": "torch",
+            "activation_checkpointing": False, "host_optimizer": "torch", "seq_len": seq_len,
             "tune": {"candidates": CANDIDATES, "steps": 2, **tune}}
 
 
-def tuned_run(tmp: str, steps: int = TUNE_STEPS) -> dict:
+def tuned_run(tmp: str, steps: int = TUNE_STEPS, seq_len=SEQ) -> dict:
     os.environ["LINS_TEST_INTER_NODE_DELAY_S"] = str(DELAY_S)
-    engine = _engine(tune_config(tmp))
+    engine = _engine(tune_config(tmp, seq_len))
     first = engine.lins.plan
     trials = engine.lins_tuner is not None
-    losses = _steps(engine, 0, steps)
+    losses = _steps(engine, 0, 1)
+    trials = trials or (engine.lins_tuner is not None or engine.lins_tune_report is not None)
+    losses += _steps(engine, 1, steps - 1)
     out = {"first": first.layout, "trials": trials, "report": engine.lins_tune_report, "losses": losses,
            "final": engine.lins.plan, "tuner_done": engine.lins_tuner is None}
     engine.destroy()
@@ -386,3 +389,16 @@ def test_a_moved_step_count_is_what_torch_keeps_whatever_optimizer_held_it():
     assert torch.is_tensor(step) and step.dtype == torch.float32 and step.item() == 7.0 and step.device.type == "cpu"
     t = torch.tensor(5.0)
     assert scalar_state(t, p, {"fused": True}) is not t  # a copy
+
+
+def test_tuning_waits_for_the_batches_where_the_length_is_not_given(tmp_path):
+    """Without lins.seq_len the candidates depend on the batches' length: the trials start at the first training
+    batch, the decision is cached under that length, and the next launch moves onto the winner at its first batch."""
+    tmp = str(tmp_path)
+    slow_all_reduce_profile(f"{tmp}/profile.json")
+    results = run(tuned_run, WORLD, tmp, TUNE_STEPS, None, gpus_per_node=GPUS_PER_NODE)
+    report = results[0]["report"]
+    assert results[0]["trials"] and results[0]["tuner_done"] and len(report) == CANDIDATES
+    winner = results[0]["final"]
+    again = run(tuned_run, WORLD, tmp, 2, None, gpus_per_node=GPUS_PER_NODE)
+    assert all(r["report"] is None and r["final"].layout == winner.layout for r in again)

@@ -14,23 +14,28 @@ from .load import ShardReader, _read, read_meta
 
 
 
-def full_state_dict(path: str, dtype: torch.dtype) -> dict:
-    """Every parameter (aliases of tied weights once) and persistent buffer, whole, in ``dtype``."""
+def full_state_dict(path: str, dtype: torch.dtype, exclude_frozen: bool = False) -> dict:
+    """Every parameter (aliases of tied weights once) and persistent buffer, whole, in ``dtype``; frozen parameters
+    left out with ``exclude_frozen``, or where the save left them out (``exclude_frozen_parameters``)."""
     meta = read_meta(path)
     reader = ShardReader(path, meta["index"])
     frozen = _read(load_file, os.path.join(path, "frozen.safetensors"))
+    exclude_frozen = exclude_frozen or meta.get("frozen_excluded", False)
     out = {}
     for name, info in meta["params"].items():
         if info["trainable"]:
             t = torch.empty(torch.Size(info["shape"]).numel())
             reader.fill(t, name, 0, t.numel(), "master")
             out[name] = t.view(info["shape"]).to(dtype)
+        elif exclude_frozen:
+            continue
         elif name in frozen:
             out[name] = frozen[name].to(dtype)
         else:
             raise LinsCheckpointError(f"consolidate: {path} lacks frozen parameter {name}")
     for name, t in frozen.items():
-        out.setdefault(name, t)  # buffers keep their own dtype
+        if name not in meta["params"]:
+            out.setdefault(name, t)  # buffers keep their own dtype
     return out
 
 

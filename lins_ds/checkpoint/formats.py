@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from deepspeed.utils import logger
+
 from .layout_free import INCOMPLETE, LATEST, META, SAVING
 
 LINS, DEEPSPEED, UNIVERSAL = "lins", "deepspeed", "deepspeed-universal"
@@ -95,12 +97,15 @@ def locate(load_dir: str, tag=None) -> Optional[Found]:
     """The checkpoint to load, or None when ``load_dir`` names none (DeepSpeed returns (None, None)). A tag
     directory that holds no checkpoint is an error saying what it holds; an interrupted Lins save is an error
     saying so, recognised by its own marker."""
-    if not os.path.isdir(load_dir):
-        raise LinsCheckpointError(f"load_checkpoint: {load_dir} is not a directory")
     if tag is None:
         tag = _read_pointer(load_dir, LATEST) or _read_pointer(load_dir, LATEST_UNIVERSAL)
-        if tag is None:
+        if tag is None:  # DeepSpeed's answer (and its warning): nothing to resume from, e.g. a first run
+            logger.warning(f"Unable to find latest file at {os.path.join(load_dir, LATEST)}, if trying to load latest "
+                           "checkpoint please ensure this file exists or pass an explicit checkpoint tag when loading a "
+                           "checkpoint.")
             return None
+    if not os.path.isdir(load_dir):
+        raise LinsCheckpointError(f"load_checkpoint: {load_dir} is not a directory")
     path = os.path.join(load_dir, str(tag))
     if os.path.isdir(path):
         found = identify(path)

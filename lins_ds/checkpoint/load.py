@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .. import comm
+from ..runtime.unit import param_shape
 from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, load_pickle, locate
 from .layout_free import FORMAT, META, overlaps, range_key
 from .universal import UniversalReader, convert
@@ -121,8 +122,8 @@ class UniversalCheckpoint:
             shapes.update({n: list(s) for n, s in group.items()})
         ours = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
         missing = sorted(n for n in ours if not self.reader.has(n))
-        wrong = [f"{n}: checkpoint {shapes[n]} vs model {list(p.shape)}" for n, p in ours.items()
-                 if n in shapes and shapes[n] != list(p.shape)]
+        wrong = [f"{n}: checkpoint {shapes[n]} vs model {list(param_shape(p))}" for n, p in ours.items()
+                 if n in shapes and shapes[n] != list(param_shape(p))]
         if wrong:
             raise LinsCheckpointError(f"load_checkpoint: {self.origin} is from another model; shapes differ: "
                                       + "; ".join(wrong[:5]))
@@ -163,7 +164,7 @@ def read_meta(path: str) -> dict:
 
 
 def check_model(meta: dict, module: torch.nn.Module, strict: bool) -> None:
-    ours = {n: list(p.shape) for n, p in module.named_parameters()}
+    ours = {n: list(param_shape(p)) for n, p in module.named_parameters()}
     theirs = {n: v["shape"] for n, v in meta["params"].items()}
     wrong = [f"{n}: checkpoint {theirs[n]} vs model {s}" for n, s in ours.items() if n in theirs and theirs[n] != s]
     if wrong:

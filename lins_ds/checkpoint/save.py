@@ -10,6 +10,8 @@ import shutil
 import torch
 
 from .. import comm
+from ..runtime.unit import param_shape
+from .zero_to_fp32 import write_script
 from .formats import LinsCheckpointError, save_file
 from .layout_free import FORMAT, INCOMPLETE, LATEST, META, SAVING, range_key
 
@@ -43,8 +45,10 @@ def shard_tensors(opt) -> tuple:
     return tensors, index, ew_keys, scalar_keys
 
 
-def frozen_and_buffers(module: torch.nn.Module) -> dict:
-    out = {n: _cpu(p) for n, p in module.named_parameters() if not p.requires_grad}
+def frozen_and_buffers(module: torch.nn.Module, exclude_frozen: bool = False) -> dict:
+    """Frozen parameters (unless ``exclude_frozen``: DeepSpeed's ``exclude_frozen_parameters``, a LoRA checkpoint
+    without its base) and persistent buffers, by name."""
+    out = {} if exclude_frozen else {n: _cpu(p) for n, p in module.named_parameters() if not p.requires_grad}
     for mod_name, mod in module.named_modules():
         for b_name, buf in mod._buffers.items():
             if buf is not None and b_name not in mod._non_persistent_buffers_set:
@@ -60,7 +64,7 @@ def _meta(engine, index: dict, ew_keys, scalar_keys) -> dict:
         aliases[name] = next(n for n, q in module.named_parameters() if q is p)
     return {
         "format": FORMAT,
-        "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype).split(".")[-1], "trainable": p.requires_grad,
+        "params": {n: {"shape": list(param_shape(p)), "dtype": str(p.dtype).split(".")[-1], "trainable": p.requires_grad,
                        "group": group_of.get(n)} for n, p in module.named_parameters()},
         "aliases": aliases,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
@@ -94,13 +98,14 @@ def _write_shard(engine, tmp: str):
     return fname, index, sorted(ew), sorted(sc)
 
 
-def _write_rank0_files(engine, tmp: str, entries: list, client_state) -> None:
+def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_frozen: bool = False) -> None:
     """Frozen parameters and buffers, extra.pt, config.json, and meta.json last (it marks a whole directory)."""
     entries = [e for e in entries if e is not None]
     index = {fname: idx for fname, idx, _, _ in entries}
     ew = {k for e in entries for k in e[2]}
     sc = {k for e in entries for k in e[3]}
-    save_file(frozen_and_buffers(engine.module), os.path.join(tmp, "frozen.safetensors"), metadata={"format": "pt"})
+    save_file(frozen_and_buffers(engine.module, exclude_frozen), os.path.join(tmp, "frozen.safetensors"),
+              metadata={"format": "pt"})
     scaler = engine.optimizer.loss_scaler
     torch.save({"lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 "loss_scaler": dict(vars(scaler)) if scaler is not None else None,
@@ -110,7 +115,7 @@ def _write_rank0_files(engine, tmp: str, entries: list, client_state) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             f.write(hf.to_json_string())
     with open(os.path.join(tmp, META), "w") as f:
-        json.dump(_json_safe(_meta(engine, index, ew, sc)), f, indent=1)
+        json.dump(_json_safe({**_meta(engine, index, ew, sc), "frozen_excluded": exclude_frozen}), f, indent=1)
 
 
 def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
@@ -122,19 +127,22 @@ def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+    write_script(save_dir)  # DeepSpeed's zero_to_fp32.py, for a Lins checkpoint
     if save_latest:
         with open(os.path.join(save_dir, LATEST + ".tmp"), "w") as f:
             f.write(tag)
         os.replace(os.path.join(save_dir, LATEST + ".tmp"), os.path.join(save_dir, LATEST))
 
 
-def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> bool:
+def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
+         exclude_frozen: bool = False) -> bool:
     tag = _agree_on_tag(engine, tag)
     engine.lins.wait()  # fp32 masters alias the P storage an in-flight P-sync writes
     tmp = os.path.join(save_dir, tag + INCOMPLETE)
     _agreed(lambda: _start(save_dir, tmp, tag) if comm.rank() == 0 else None)
     entries = comm.all_gather_object(_agreed(lambda: _write_shard(engine, tmp)))
-    _agreed(lambda: _write_rank0_files(engine, tmp, entries, client_state) if comm.rank() == 0 else None)
+    _agreed(lambda: _write_rank0_files(engine, tmp, entries, client_state, exclude_frozen) if comm.rank() == 0
+            else None)
     _agreed(lambda: _publish(save_dir, tag, tmp, save_latest) if comm.rank() == 0 else None)
     return True
 

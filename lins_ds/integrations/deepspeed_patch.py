@@ -96,4 +96,7 @@ def _say_once(message: str) -> None:
 
 
 def install() -> None:
+    from ..checkpoint import zero_to_fp32
+
     deepspeed.initialize = initialize
+    zero_to_fp32.install()

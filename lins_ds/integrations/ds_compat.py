@@ -26,7 +26,14 @@ ENGINE_METHODS = {
     "is_gradient_accumulation_boundary": "called: starts the replica AllReduce in the boundary backward",
     "destroy": "overridden: waits for Lins' collectives and destroys its process groups",
     "_broadcast_model": "overridden: nothing to broadcast for a model built without values (lins_ds.init)",
+    "_configure_bf16_optimizer": "overridden: an engine without an optimizer gets no bf16 wrapper (forward only)",
+    "zero_grad": "overridden: drops the gradients Lins accumulated, as DeepSpeed drops .grad",
+    "backward": "overridden: marks the engine busy (parameter reads inside are its own)",
 }
+# Read where they exist, set by LinsEngine: transformers' generate runs with synced_gpus for a module carrying it.
+EXTERNAL_NAMES = {"transformers.distributed.fsdp.is_fsdp_managed_module": "_is_fsdp_managed_module",
+                  "deepspeed.runtime.zero.partition_parameters.GatheredParameters": "ds_id, all_gather, partition",
+                  "deepspeed.utils.safe_get_full_fp32_param": "_hp_mapping, get_full_hp_param"}
 # Attributes DeepSpeedEngine.__init__ sets that LinsEngine reads or writes.
 ENGINE_ATTRIBUTES = ("inside_no_sync_ctxt", "_global_grad_norm", "_config")
 # Called after the optimizer is built where this DeepSpeed has them (0.19.6; removed in 0.19.8): the

@@ -10,6 +10,7 @@ this class touches are listed in ``ds_compat.py``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import time
 import weakref
 
@@ -27,23 +28,23 @@ from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import is_deferred
 from ..runtime.memory_guard import report_startup
 from ..runtime.optimizer import LinsOptimizer, check_elementwise
-from ..runtime.planning import agree_on_plan, announce, gemm_dtype, make_plan, misaligned_note
+from ..runtime.planning import (agree_on_plan, announce, forward_only_plan, gemm_dtype, misaligned_note,
+                                plan_for_length, start_plan)
 from ..runtime.runtime import LinsRuntime
-from . import ds_compat
+from ..runtime.seq_len import LengthWatch, batch_length
+from . import ds_compat, zero_api
 
 ds_compat.check()
 GUARD_AFTER_STEPS = 2  # the memory guard's step: the first whose forward and backward hold the optimizer's state
 
 
-def validate(config: dict, stage: int, has_client_optimizer: bool, world_size: int, local_world_size: int):
+def validate(config: dict, stage: int, world_size: int, local_world_size: int):
     """Everything that can be wrong with the lins block, checked on every rank before any group exists (pure:
-    the launch is given)."""
+    the launch is given). An engine without an optimizer is a forward-only one (``_configure_forward_only``)."""
     cfg = parse_lins_config(lins_block(config))
     if stage != 0:
         raise LinsConfigError(f"zero_optimization.stage: {stage} with lins enabled; Lins replaces ZeRO, "
                               "keep \"zero_optimization\": {\"stage\": 0}")
-    if not has_client_optimizer and not config.get("optimizer"):
-        raise LinsConfigError("lins: needs an optimizer (an \"optimizer\" block or a client optimizer)")
     topo = cfg.topology(world_size, local_world_size)
     if not cfg.solve and not comm.SUPPORTS_UNSORTED_GROUPS and needs_unsorted_groups(topo, cfg.layout(topo)):
         raise LinsConfigError(
@@ -55,14 +56,16 @@ def validate(config: dict, stage: int, has_client_optimizer: bool, world_size: i
 class LinsEngine(DeepSpeedEngine):
     def __init__(self, *args, config=None, config_class=None, optimizer=None, **kwargs):
         t0 = time.perf_counter()
-        cfg, topo = validate(config, config_class.zero_optimization_stage, optimizer is not None,
-                             dist.get_world_size(), comm.local_world_size())
+        cfg, topo = validate(config, config_class.zero_optimization_stage, dist.get_world_size(),
+                             comm.local_world_size())
         object.__setattr__(self, "lins_config", cfg)
         object.__setattr__(self, "lins_topology", topo)
         object.__setattr__(self, "lins", None)
         object.__setattr__(self, "_lins_solve", None)
         object.__setattr__(self, "lins_tuner", None)  # "plan": "tune", while trials run
         object.__setattr__(self, "lins_tune_report", None)  # the trials' table once tuning is over
+        object.__setattr__(self, "_lins_lengths", None)  # lins.seq_len not set: the batches size the plan
+        object.__setattr__(self, "_lins_tune_pending", False)  # "tune" waits for the batches' length
         # DeepSpeed must not build its CPU optimizer or offload anything itself: Lins places the state (its plan;
         # deepspeed.initialize already gave it a config without them, config.translate_zero_offload)
         config_class.zero_config.offload_optimizer = None
@@ -70,6 +73,8 @@ class LinsEngine(DeepSpeedEngine):
         if kwargs.get("model") is not None and is_deferred(kwargs["model"]):
             kwargs["dont_change_device"] = True  # built without values: the runtime places it, unit by unit
         super().__init__(*args, config=config, config_class=config_class, optimizer=optimizer, **kwargs)
+        if self.lins is None:  # no optimizer: a reference, frozen or inference model
+            self._configure_forward_only()
         ds_compat.check_engine_attributes(self)
         self.module.register_state_dict_pre_hook(self._gather_for_state_dict)
         self.module._register_state_dict_hook(self._copy_out_state_dict)
@@ -94,16 +99,24 @@ class LinsEngine(DeepSpeedEngine):
             basic = client_optimizer
         else:
             basic = client_optimizer(model_parameters)
+        self._cap_allocator()
         basic.param_groups[:] = [pg for pg in basic.param_groups if len(pg["params"]) != 0]
         self._check_for_duplicates(basic)
         check_elementwise(basic, self.lins_config.elementwise_optimizer)  # the same verdict on every rank
         self.basic_optimizer = basic
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
-        plan, summary, self._lins_solve, host_optimizer = make_plan(self, self.lins_config, self.lins_topology,
-                                                                    param_dtype, accum_dtype)
+        plan, summary, self._lins_solve, host_optimizer = start_plan(self, self.lins_config, self.lins_topology,
+                                                                     param_dtype, accum_dtype)
         cands, decision = None, None
+        if self._lins_solve is not None and self.lins_config.seq_len is None:
+            self._lins_lengths = LengthWatch(self._lins_solve.train.seq_len)
+            summary += (f"\n  sequence length: {self._lins_solve.train.seq_len} until the first training batch, "
+                        "then the batches' (lins.seq_len not set)")
         if self.lins_config.tuning and self._lins_solve is not None:
-            plan, summary, cands, decision = self._tune_start(plan, summary)
+            if self._lins_lengths is not None:
+                self._lins_tune_pending = True  # the candidates depend on the length: chosen at the first batch
+            else:
+                plan, summary, cands, decision = self._tune_start(plan, summary)
         check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested())
         announce(summary + misaligned_note(self.module, gemm_dtype(self, param_dtype)))
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
@@ -116,10 +129,48 @@ class LinsEngine(DeepSpeedEngine):
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
                                        dynamic_loss_args=self.dynamic_loss_scale_args(), host_optimizer=host_optimizer)
         ds_compat.finish_optimizer_setup(self)
+        self._lins_attach()
         if cands is not None:
-            ctx = self._lins_solve
-            self.lins_tuner = tune.Tuner(self, cands, self.lins_config.tune.steps,
-                                         ctx.mem.capacity_gb - ctx.mem.reserved_gb, decision)
+            self._start_tuner(cands, decision)
+
+    def _start_tuner(self, cands: list, decision) -> None:
+        ctx = self._lins_solve
+        self.lins_tuner = tune.Tuner(self, cands, self.lins_config.tune.steps,
+                                     ctx.mem.capacity_gb - ctx.mem.reserved_gb, decision)
+
+    def _configure_bf16_optimizer(self, optimizer):
+        """No optimizer, no bf16 wrapper (and its fp32 copies): a forward-only engine; else DeepSpeed's (never reached
+        with one: Lins builds its own optimizer)."""
+        return None if optimizer is None else super()._configure_bf16_optimizer(optimizer)
+
+    def _configure_forward_only(self) -> None:
+        """An engine without an optimizer (TRL's reference models, frozen or inference models): forward only, every
+        parameter in the units of a plan whose P dimension places it (sharded where memory asks); no G, no OS."""
+        self._cap_allocator()
+        param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
+        plan, summary = forward_only_plan(self, self.lins_config, self.lins_topology, param_dtype)
+        agree_on_plan(plan)
+        announce(summary)
+        every = [p for p in self.module.parameters()]
+        self.lins = LinsRuntime(self.module, plan, [{"params": every}], accum_dtype, reduce_dtype,
+                                self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
+                                device=torch.device(self.device), forward_only=True, init=self.lins_config.init)
+        self._lins_attach()
+
+    def _cap_allocator(self) -> None:
+        memory_guard.cap_allocator(self.lins_config.gpu_memory_gb, torch.device(self.device))
+
+    def _lins_attach(self) -> None:
+        """What code outside the engine sees of the plan: DeepSpeed's parameter API (``zero_api``), and, where
+        parameters are partitioned, generation that keeps every rank in step (transformers' ``generate`` then runs
+        with ``synced_gpus``, as under ZeRO-3: a rank that finished keeps joining the others' gathers)."""
+        zero_api.attach(self)
+        partitioned = any(u.releases and u.sharded_p for u in self.lins.units) and dist.get_world_size() > 1
+        for m in self.module.modules():  # every one: a PEFT model's generate runs the wrapped model's, whose own
+            if partitioned:              # flag transformers reads (as the LayerDrop of its speech encoders)
+                m._is_fsdp_managed_module = True  # transformers' test for synced_gpus (ds_compat lists it)
+            elif m.__dict__.get("_is_fsdp_managed_module"):
+                del m._is_fsdp_managed_module
 
     def _apply_checkpointing(self, plan) -> None:
         """The plan's activation checkpointing on the layer modules (where Lins decides it: a solved plan, or
@@ -159,14 +210,18 @@ class LinsEngine(DeepSpeedEngine):
         if self.micro_steps % self.gradient_accumulation_steps():
             raise LinsConfigError("relayout: only at an accumulation boundary (after engine.step()), micro-step "
                                   f"{self.micro_steps} is inside a window of {self.gradient_accumulation_steps()}")
-        return relayout.run(self.lins, self.optimizer, plan, on_device_change=self._apply_checkpointing)
+        try:
+            return relayout.run(self.lins, self.optimizer, plan, on_device_change=self._apply_checkpointing)
+        finally:
+            self._lins_attach()
 
     def step(self, lr_kwargs=None):
         """DeepSpeed's step; after the second optimizer step, the memory guard compares the measured peak with
         the plan's prediction (docs/design.md §8): the first window runs its forward and backward before the
         optimizer's state exists, so its peak is below every later one's."""
         before = self.global_steps
-        super().step(lr_kwargs=lr_kwargs)
+        with self._running():
+            super().step(lr_kwargs=lr_kwargs)
         if before == GUARD_AFTER_STEPS - 1 and self.global_steps == GUARD_AFTER_STEPS:
             memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device, self.optimizer.host_gb())
         if self.lins_tuner is not None and self.global_steps != before and self.lins_tuner.after_step():
@@ -182,7 +237,67 @@ class LinsEngine(DeepSpeedEngine):
     def forward(self, *args, **kwargs):
         if self.lins is not None and self.lins.destroyed:
             raise RuntimeError("lins: engine.destroy() was called; build a new engine to train again")
-        return super().forward(*args, **kwargs)
+        if self._lins_lengths is not None and self.module.training and torch.is_grad_enabled():
+            self._watch_length(batch_length(args, kwargs, self.train_micro_batch_size_per_gpu()))
+        with self._running():
+            return super().forward(*args, **kwargs)
+
+    def backward(self, loss, *args, **kwargs):
+        with self._running():
+            return super().backward(loss, *args, **kwargs)
+
+    def _running(self):
+        """The engine runs: parameter reads inside are its own (docs/design.md §4, "What user code sees")."""
+        return self.lins.running() if self.lins is not None else contextlib.nullcontext()
+
+    def zero_grad(self):
+        """DeepSpeed's ``zero_grad`` drops the gradients accumulated so far; Lins keeps them in its accumulators, so
+        those are dropped (inside an accumulation window; after ``step()`` nothing is left to drop). Frozen and other
+        parameters outside the plan's units lose their ``.grad`` as under DeepSpeed."""
+        if self.lins is not None and not self.lins.destroyed:
+            self.lins.drop_gradients()
+        for p in self.lins.outside_units() if self.lins is not None else self.module.parameters():
+            p.grad = None
+
+    # --- the sequence length the plan is sized for (lins.seq_len not set: runtime/seq_len.py) -------------
+    def _watch_length(self, length) -> None:
+        watch = self._lins_lengths
+        watch.see(length)
+        window_start = self.micro_steps % self.gradient_accumulation_steps() == 0
+        if not watch.due(window_start, self.global_steps):
+            watch.warn_if_longer(length)
+            return
+        longest = watch.agree(self.global_steps)
+        if longest is not None:
+            self._size_for_length(longest)
+
+    def _size_for_length(self, n: int) -> None:
+        """Size the plan for training batches of ``n`` tokens: re-solved from the start-up context (every rank alike),
+        moved onto in memory where what runs changes; then tuning starts where it waited for the length."""
+        watch, ctx, old = self._lins_lengths, self._lins_solve, self.lins.plan
+        first, before = not watch.settled, watch.planned
+        if n != ctx.train.seq_len:
+            plan, summary, self._lins_solve, host_kind = plan_for_length(self, self.lins_config, ctx, old, n)
+            if host_kind is not None:
+                self.optimizer.host_optimizer_kind = host_kind
+            moved = ""
+            if _runs_differently(plan, old):
+                rep = self.relayout(plan)
+                moved = f"; moved onto it in {rep.seconds:.1f} s"
+            else:
+                self.lins.replan(plan)  # the same execution, this length's predictions
+            why = "the first training batches are" if first else f"a training batch is longer than {before}:"
+            announce(f"lins: {why} {n} tokens long; plan re-sized for {n}{moved}\n{summary}")
+        watch.settled, watch.planned = True, n
+        if self._lins_tune_pending:
+            self._lins_tune_pending = False
+            plan, summary, cands, decision = self._tune_start(self.lins.plan, "lins tune (sequence length "
+                                                              f"{n}, from the training batches):")
+            announce(summary)
+            if plan is not self.lins.plan and _runs_differently(plan, self.lins.plan):
+                self.relayout(plan)
+            if cands is not None:
+                self._start_tuner(cands, decision)
 
     # --- gradient flow ------------------------------------------------------------------------
     def _reduces_this_backward(self) -> bool:
@@ -205,6 +320,11 @@ class LinsEngine(DeepSpeedEngine):
     # --- full state dict on every rank ------------------------------------------------------------
     def _gather_for_state_dict(self, module, prefix, keep_vars):
         if self.lins is not None:
+            if any(u.releases and u.sharded_p for u in self.lins.units):  # a gather: every rank must be here
+                comm.all_ranks_arrive("engine.module.state_dict() gathers the parameters this plan partitions "
+                                      f"({self.lins.plan.layout}), so every rank must call it (accelerate's "
+                                      "get_state_dict and the Trainer's save_model do); to save on one rank, call it "
+                                      "on every rank and write on that one")
             self.lins.gather_all()
 
     def _copy_out_state_dict(self, module, state_dict, prefix, local_metadata):
@@ -221,16 +341,24 @@ class LinsEngine(DeepSpeedEngine):
                         exclude_frozen_parameters=False):
         """DeepSpeed's signature and return value; every rank must call it. Each rank of one OS replica
         writes its own chunk; the tag directory appears only once complete, then ``latest``."""
-        return save(self, save_dir, tag, client_state, save_latest)
+        self._require_optimizer("save_checkpoint")
+        return save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         """DeepSpeed's signature and return value ``(path, client_state)``; loads into this engine's plan
         and world size whatever plan and world size wrote the checkpoint."""
+        self._require_optimizer("load_checkpoint")
         if custom_load_fn is not None:
             raise LinsConfigError("load_checkpoint: custom_load_fn is not supported by LinsEngine")
         return load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                     load_module_only, trust_pickle=self.lins_config.checkpoint_pickle)
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise LinsConfigError(f"lins: {what} of an engine without an optimizer (forward only); its parameters are "
+                                  "engine.module.state_dict() (every rank), or load them into the model before "
+                                  "deepspeed.initialize")
 
     def destroy(self):
         """DeepSpeed's destroy plus: wait for Lins' in-flight collectives and destroy its process groups.
@@ -238,7 +366,16 @@ class LinsEngine(DeepSpeedEngine):
         lins = self.__dict__.get("lins")
         if lins is not None:
             lins.destroy()
+            zero_api.detach(self)
         super().destroy()
+
+
+def _runs_differently(a: Plan, b: Plan) -> bool:
+    """Whether two plans execute differently (not only in what they predict)."""
+    def key(p):
+        return (p.topology, p.layout, p.activation_checkpointing_units, p.offload_units, p.offload_grads,
+                p.offload_params)
+    return key(a) != key(b)
 
 
 _LIVE = weakref.WeakSet()  # every LinsEngine built in this process and still referenced

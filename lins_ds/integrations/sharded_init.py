@@ -19,6 +19,7 @@ import inspect
 import math
 from typing import Optional
 
+import psutil
 import torch
 from torch import nn
 
@@ -156,11 +157,34 @@ def _deferred_hf_loading():
 
     cml.spawn_materialize, cml.WeightConverter.materialize_tensors, cml.set_param_for_module = \
         lazy_spawn, real_tensors, attach
+    kernels = _no_kernels_on_meta()
     try:
         yield
     finally:
         cml.spawn_materialize, cml.WeightConverter.materialize_tensors, cml.set_param_for_module = \
             spawn, materialize_tensors, set_param
+        kernels()
+
+
+def _no_kernels_on_meta():
+    """transformers (5.25 on) kernelizes every loaded model, and the kernels library refuses the meta device: a
+    model built without values loads unkernelized (its layers run their own forward). Returns the undo."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    real = inspect.getattr_static(PreTrainedModel, "set_use_kernels", None)
+    if real is None:
+        return lambda: None
+
+    def set_use_kernels(self, use_kernels, *args, **kwargs):
+        if use_kernels and any(p.is_meta for p in self.parameters()):
+            use_kernels = False
+        return real(self, use_kernels, *args, **kwargs)
+
+    PreTrainedModel.set_use_kernels = set_use_kernels
+
+    def undo():
+        PreTrainedModel.set_use_kernels = real
+    return undo
 
 
 class _InMemory:
@@ -192,17 +216,55 @@ def _entering(fn):
         cfg = None if active() or not lins_ds_autoload.lins_on() else _hf_lins_config()
         if cfg is None:
             return fn(cls, *args, **kwargs)
-        with init(cfg):
+        sharded = parse_lins_config(lins_block(cfg)).sharded_load
+        if sharded is False:
             return fn(cls, *args, **kwargs)
+        with init(cfg):
+            model = fn(cls, *args, **kwargs)
+        if sharded is None and _fits_eagerly(model):  # a normal model: code before deepspeed.initialize may use it
+            del model
+            return fn(cls, *args, **kwargs)
+        return model
     wrapper._lins_patched = True
     return classmethod(wrapper)
 
 
+EAGER_SHARE = 0.8  # of the host's available memory, what the ranks of a node may take for their eager copies
+
+
+def _fits_eagerly(model: nn.Module) -> bool:
+    """Whether every rank of every node can hold its own full copy of ``model`` (built on meta: the size is known,
+    nothing is read) in its host's available memory. Every rank gets the same answer (ranks building differently
+    would issue different collectives at deepspeed.initialize): each measures before any loads, then they agree."""
+    import torch.distributed as tdist
+
+    from .. import comm
+
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) * max(1, comm.local_world_size())
+    fits = need <= EAGER_SHARE * psutil.virtual_memory().available
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+        fits = all(comm.all_gather_object(fits))
+    return fits
+
+
 def install_hf() -> None:
-    """Make PreTrainedModel.from_pretrained / _from_config build sharded when a Lins TrainingArguments is live."""
+    """Make PreTrainedModel.from_pretrained / _from_config build sharded when a Lins TrainingArguments is live, and
+    resize_token_embeddings refuse a model built without values, naming the way out."""
     from transformers.modeling_utils import PreTrainedModel
 
     for name in ("from_pretrained", "_from_config"):
         fn = inspect.getattr_static(PreTrainedModel, name)
         if isinstance(fn, classmethod) and not getattr(fn.__func__, "_lins_patched", False):
             setattr(PreTrainedModel, name, _entering(fn.__func__))
+    resize = PreTrainedModel.resize_token_embeddings
+    if not getattr(resize, "_lins_patched", False):
+        def resize_token_embeddings(self, *args, **kwargs):
+            if any(p.is_meta and (hasattr(p, SEED) or hasattr(p, SOURCE)) for p in self.parameters()):
+                raise LinsConfigError(
+                    "resize_token_embeddings: this model was built without values (lins_ds.init, or a Lins "
+                    "TrainingArguments with lins.sharded_load: true), so its embeddings cannot be read here. Load it "
+                    "whole (lins.sharded_load: false, or leave it null where every rank's copy fits the host), resize "
+                    "it and save it once, then train from that checkpoint")
+            return resize(self, *args, **kwargs)
+        resize_token_embeddings._lins_patched = True
+        PreTrainedModel.resize_token_embeddings = resize_token_embeddings

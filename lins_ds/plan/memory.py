@@ -119,14 +119,18 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
     pb, rb, gb = train.param_bytes, train.reduce_bytes, train.grad_bytes
     s_p, s_g = layout.p.size, layout.g.size
     accum, reduce = train.grad_accum_dtype or train.param_dtype, train.grad_reduce_dtype or train.param_dtype
-    in_place = s_g == 1 and accum == train.param_dtype  # each .grad is a view into the accumulator
+    # each .grad a view into the accumulator; not for the units whose P is on the host (an empty parameter, outside
+    # its use, cannot hold a full-size .grad: theirs are staged)
+    in_place = s_g == 1 and accum == train.param_dtype
     in_flight = IN_FLIGHT_REDUCE_SCATTERS + 1 if s_g > 1 else 1
     host_layers = min(host_grad_units, n)  # the layer units whose G is on the host (the last ones)
     root_on_host = host_grad_units > n
-    head_grads = 0.0 if in_place and not root_on_host else model.vocab * model.hidden * pb
+    head_grads = 0.0 if in_place and not root_on_host and host_param_units <= n else model.vocab * model.hidden * pb
     reducing = 0.0 if in_place else layer * pb + in_flight * layer * rb + (in_flight * layer / s_g * rb if s_g > 1 else 0)
     if host_layers and s_g == 1:  # those layers' gradients are staged: autograd's, the staging, a copy going down
         reducing = layer * pb + 2 * layer * rb
+    elif host_param_units and in_place:  # P on the host, G on the device: autograd's .grad and the staging
+        reducing = layer * pb + layer * rb
     copies = ((IN_FLIGHT_REPLICA_COPIES + 1) * max(root, layer) / s_g * rb
               if topo.world_size // s_g > 1 and accum != reduce else 0.0)
     gathered_root = root * pb if s_p > 1 or host_param_units > n else 0.0

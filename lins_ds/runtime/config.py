@@ -193,8 +193,8 @@ class LinsConfig:
     activation_checkpointing: object = _rule(None, _optional(_checkpointing),
                                              "layer units recomputed in backward: `null` the solver picks k of N, "
                                              "`true`/`false` all or none, an integer the first k")
-    seq_len: Optional[int] = _rule(None, _optional(_positive_int), "the sequence length the solver sizes activations for",
-                                   "the model's `max_position_embeddings`")
+    seq_len: Optional[int] = _rule(None, _optional(_positive_int), "the sequence length the solver sizes activations "
+                                   "for", "the training batches' (re-planned as they show it)")
     model: Optional[str] = _rule(None, _optional(_string("a model name, a config.json path or null")),
                                  "describes a non-HF model to the solver: a built-in name or a `config.json`",
                                  "the HF model's config")
@@ -217,6 +217,9 @@ class LinsConfig:
                                           "the children of the largest repeated `nn.ModuleList`")
     overlap_param_sync: bool = _rule(True, _boolean, "the P-sync after the update overlaps the next forward; "
                                      "`false` waits in `step()`")
+    sharded_load: Optional[bool] = _rule(None, _optional(_boolean),
+                                         "under a Lins `TrainingArguments`, `from_pretrained` loads sharded (`true`) or "
+                                         "whole (`false`); `null`: sharded where whole copies do not fit the host")
     init: str = _rule("eager", _one_of(("eager", "per_module")), "values of a model built under `lins_ds.init`: "
                       "the eager build's, or `\"per_module\"` (each module's init, seeded by its name; faster)")
     offload: tuple = _rule(("auto", 1.0, "auto", "needed"), _offload,

@@ -55,6 +55,8 @@ class Progress:
 
     phase: Phase = Phase.FORWARD
     ends_window: bool = False  # the running backward ends an accumulation window (replica AllReduces start in it)
+    window_done: bool = False  # a window's last backward has ended and its step has not run: its gradients are whole
+    busy: int = 0  # the engine or the model is running (forward, backward, step): reads are its own, not the user's
 
 
 def _requires_grad(out) -> list:
@@ -73,8 +75,11 @@ def reduction_order(root, layers: list) -> list:
 
 
 class Executor:
-    def __init__(self, module: torch.nn.Module, root, layers: list, reduce_dtype: torch.dtype, progress: Progress):
+    def __init__(self, module: torch.nn.Module, root, layers: list, reduce_dtype: torch.dtype, progress: Progress,
+                 gradients: bool = True):
+        """``gradients`` False: forward only (an engine without an optimizer): no backward hooks."""
         self.module, self.root, self.layers, self.progress = module, root, layers, progress
+        self.gradients = gradients
         self.units = ([root] if root is not None else []) + layers
         self.position = {id(u): i for i, u in enumerate(layers)}
         self.reduce_dtype = reduce_dtype
@@ -82,6 +87,7 @@ class Executor:
         self._next = 0  # position in ``order`` of the next unit to reduce in this backward
         self._reach_known = False  # this backward's unreachable parameters are counted as arrived
         self._handles = []
+        self._forwards = 0  # root forwards running (their pre-hook ran, their end not yet)
         self._reducing: deque = deque()  # (unit, staging) with a ReduceScatter in flight, oldest first
         self._copies: deque = deque()  # units whose replica AllReduce runs on a reduce-dtype copy, oldest first
         self._free_staging: list = []  # staging buffers of a layer unit's size, reused within a backward
@@ -97,11 +103,12 @@ class Executor:
         h = self._handles
         h.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         h.append(self.module.register_forward_hook(self._root_post_forward))
+        h.append(self.module.register_forward_hook(self._root_forward_ends, always_call=True))
         for unit in self.layers:
             for m in unit.modules:
                 h.append(m.register_forward_pre_hook(lambda mod, args, u=unit: self._layer_pre_forward(u)))
                 h.append(m.register_forward_hook(lambda mod, args, out, u=unit: self._layer_post_forward(u, out)))
-        for unit in self.units:
+        for unit in self.units if self.gradients else []:
             for slot in unit.slots:
                 h.append(slot.param.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad(u, p)))
 
@@ -111,11 +118,18 @@ class Executor:
         self._handles.clear()
 
     def _root_pre_forward(self, module, args):
+        self.progress.busy += 1  # until _root_forward_ends, which runs even where the forward raises
+        self._forwards += 1
         if self.root is not None:
             self.root.wait_gather()
 
+    def _root_forward_ends(self, module, args, out):
+        if self._forwards:  # not where a pre-hook before this one raised: this one never ran
+            self._forwards -= 1
+            self.progress.busy -= 1
+
     def _root_post_forward(self, module, args, out):
-        if self.root is not None and not (torch.is_grad_enabled() and _requires_grad(out)):
+        if self.root is not None and not (self.gradients and torch.is_grad_enabled() and _requires_grad(out)):
             self.root.release()  # no backward will follow
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
@@ -135,7 +149,7 @@ class Executor:
             return
         if not self._in_backward:
             unit.release()
-        for t in _requires_grad(out):
+        for t in _requires_grad(out) if self.gradients else []:
             t.register_hook(lambda grad, u=unit: (self._pre_backward(u), grad)[1])
 
     def _pre_backward(self, unit: Unit):
@@ -198,6 +212,14 @@ class Executor:
         for unit in self.order:
             if unit.grad_state in (GradState.REDUCED, GradState.ACCUMULATING):
                 self._start_replica_reduce(unit)
+        for unit in self.order:
+            if unit.grad_state is GradState.REPLICA_REDUCING:
+                unit.finish_replica_reduce()
+        self._copies.clear()
+
+    def complete_reductions(self) -> None:
+        """Every gradient reduction in flight completed; issues none."""
+        self._complete_reduce_scatters()
         for unit in self.order:
             if unit.grad_state is GradState.REPLICA_REDUCING:
                 unit.finish_replica_reduce()

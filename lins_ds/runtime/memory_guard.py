@@ -34,24 +34,27 @@ def plan_block(plan: Plan) -> str:
 
 
 def verdict(plan: Plan, allocated_gb: float, reserved_by_allocator_gb: float, capacity_gb: Optional[float],
-            reserved_gb: float, solve=None, fragmentation: float = 0.05) -> tuple:
+            reserved_gb: float, solve=None, fragmentation: float = 0.05, capped: bool = False) -> tuple:
     """(over budget?, message). Over budget: the measured peak with the plan's allocator margin and reserve
-    (the quantity the plan's total predicts) exceeds the budget. What the allocator holds on a larger card
-    is reported but not judged: it caches freely when memory is plentiful. ``solve(capacity)`` re-solves
-    with a smaller budget (None: nothing to re-solve)."""
+    (the quantity the plan's total predicts) exceeds the budget, or, where the budget is below the card
+    (``capped``: the allocator is held to it), what the allocator holds does. On a card no smaller than the budget
+    the allocator caches freely and what it holds is reported, not judged. ``solve(capacity)`` re-solves with a
+    smaller budget (None: nothing to re-solve)."""
     line = (f"lins memory: measured peak {allocated_gb:.2f} GiB allocated ({reserved_by_allocator_gb:.2f} GiB held "
             f"by the allocator) vs predicted {plan.predicted_peak_gb:.2f} GiB allocated "
             f"({100 * (allocated_gb / plan.predicted_peak_gb - 1) if plan.predicted_peak_gb else 0:+.1f} %); "
             f"activation memory: {plan.memory_profile or 'not modelled (fixed plan)'}")
     if capacity_gb is None:
         return False, line
-    used = allocated_gb * (1 + fragmentation) + reserved_gb
+    # what the allocator holds counts too: with lins.gpu_memory_gb below the card it is held to the budget
+    # (``cap_allocator``), and a caching allocator over it is memory a GPU shared with another process lacks
+    used = max(allocated_gb * (1 + fragmentation), reserved_by_allocator_gb if capped else 0.0) + reserved_gb
     if used <= capacity_gb:
         return False, line + f"; {used:.2f} of {capacity_gb:g} GiB (lins.gpu_memory_gb) needed with margin and reserve"
     excess = used - capacity_gb
     msg = (line + f". Over budget: the run needs {used:.2f} GiB ({allocated_gb:.2f} allocated, "
-           f"{100 * fragmentation:g} % allocator margin, {reserved_gb:g} reserved), {excess:.2f} GiB more than "
-           f"lins.gpu_memory_gb = {capacity_gb:g}.")
+           f"{100 * fragmentation:g} % allocator margin or {reserved_by_allocator_gb:.2f} held by the allocator, "
+           f"{reserved_gb:g} reserved), {excess:.2f} GiB more than lins.gpu_memory_gb = {capacity_gb:g}.")
     if solve is not None and plan.memory_gb > 0:
         under = used - plan.memory_gb  # what the prediction missed, taken off the budget
         try:
@@ -64,6 +67,23 @@ def verdict(plan: Plan, allocated_gb: float, reserved_by_allocator_gb: float, ca
     else:
         msg += " Shard more (a larger P, G or OS factor) or checkpoint more layer units."
     return True, msg
+
+
+def cap_allocator(budget_gb: Optional[float], device: torch.device) -> Optional[float]:
+    """Hold torch's caching allocator to ``budget_gb`` (lins.gpu_memory_gb) where that is below the card: a GPU shared
+    with another process (an inference engine beside RL training) or a budget for a smaller card is then what the run
+    takes, not what the allocator would cache. The plan keeps its allocated peak, margin and ``reserved_gb`` within the
+    budget, so what the allocator may cache beyond the plan's margin is at most that reserve (the CUDA context and the
+    communicators' memory, outside the allocator, take part of it). The fraction set, or None (no budget, or not below
+    the card, or not CUDA)."""
+    if device.type != "cuda" or budget_gb is None:
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory / GIB
+    if budget_gb >= total:
+        return None
+    fraction = budget_gb / total
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
 
 
 def report_startup(runtime, context, seconds: float) -> None:
@@ -102,8 +122,9 @@ def check(plan: Plan, context, device: torch.device, host_gb: float = 0.0) -> No
     held = comm.max_over_world(mine[1], device)
     capacity = context.mem.capacity_gb if context is not None else None
     reserved = context.mem.reserved_gb if context is not None else 0.0
+    capped = capacity is not None and capacity < torch.cuda.get_device_properties(device).total_memory / GIB
     over, msg = verdict(plan, allocated, held, capacity, reserved, context.solve if context is not None else None,
-                        context.mem.fragmentation if context is not None else 0.05)
+                        context.mem.fragmentation if context is not None else 0.05, capped)
     if comm.rank() == 0:
         logger.info(msg)
         print(msg, flush=True)

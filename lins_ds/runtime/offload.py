@@ -308,6 +308,10 @@ class HostGrads:
             total += self._sq[unit]
         return total
 
+    def forget_norms(self) -> None:
+        """An accumulator was written from outside (``safe_set_full_grad``): its norm is taken again at the step."""
+        self._sq = {u: v for u, v in self._sq.items() if self._count[u] == 0}
+
     def _wait(self, block) -> None:
         t0 = time.perf_counter()
         block()

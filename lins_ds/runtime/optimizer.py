@@ -158,7 +158,7 @@ class LinsOptimizer(ZeROOptimizer):
                             if fp16 else None)
         self.overflow = False
         self._global_grad_norm = None
-        self._host_kind = host_optimizer
+        self.host_optimizer_kind = host_optimizer  # "torch" or "deepspeed": what updates the units on the host
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -177,7 +177,7 @@ class LinsOptimizer(ZeROOptimizer):
 
     def _batches(self) -> None:
         """The host updater over the slices on the host, and the update batches of the others."""
-        self.host = self._host_updater(self._host_kind) if any(s.on_host for s in self.slices) else None
+        self.host = self._host_updater(self.host_optimizer_kind) if any(s.on_host for s in self.slices) else None
         # torch's optimizers keep their state, the step count included, per parameter: stepping them one unit
         # at a time is the same update, with one unit's fp32 gradients and temporaries alive at once instead
         # of the whole OS chunk's (docs/design.md §8). Others (DeepSpeed's FusedAdam counts steps per group)

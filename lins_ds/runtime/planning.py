@@ -76,14 +76,29 @@ def _memory_gb(cfg: LinsConfig, device: torch.device) -> float:
     return psutil.virtual_memory().total / 2**30 / max(1, comm.local_world_size())
 
 
-def _seq_len(module: torch.nn.Module, cfg: LinsConfig) -> int:
+PROVISIONAL_SEQ = 2048  # the start-up plan's length when neither lins.seq_len nor a batch has said it
+
+
+def start_seq_len(module: torch.nn.Module, cfg: LinsConfig) -> tuple:
+    """(length, whether the training batches decide it) for the start-up plan: lins.seq_len, else a provisional
+    min(max_position_embeddings, PROVISIONAL_SEQ) that the first training batch replaces (``runtime/seq_len.py``): a
+    hub model's max_position_embeddings (32k-128k) is what it can read, not what a job trains at."""
     if cfg.seq_len:
-        return cfg.seq_len
+        return cfg.seq_len, False
     hf = getattr(module, "config", None)
     n = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
     if not n:
         raise LinsConfigError("lins.seq_len: needed with \"plan\": \"solve\" when the model does not say it")
-    return int(n)
+    return min(int(n), PROVISIONAL_SEQ), True
+
+
+def seq_note(train: TrainingSpec, inferred: bool) -> str:
+    """How the plan's sequence length was chosen, for messages that depend on it."""
+    if not inferred:
+        return f"sized for sequence length {train.seq_len} x micro-batch {train.micro_batch_size} (lins.seq_len)"
+    return (f"sized for sequence length {train.seq_len} x micro-batch {train.micro_batch_size}, as the training "
+            "batches showed or, before the first, a provisional length; set lins.seq_len to the longest sequence "
+            "the job trains on")
 
 
 def _timing_table(cfg: LinsConfig, topo: Topology, model, train: TrainingSpec, device) -> ProfileTable:
@@ -230,12 +245,12 @@ def offload_spec(basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tupl
 
 
 def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-                  ckpt=None, table: Optional[ProfileTable] = None, offload=None) -> SolveContext:
+                  ckpt=None, table: Optional[ProfileTable] = None, offload=None, seq_len: int = 0) -> SolveContext:
     """The solver's inputs for this engine's model, batch, dtypes, optimizer and device (``offload``: what
-    ``offload_spec`` returned)."""
+    ``offload_spec`` returned; ``seq_len``: the length to size for, else ``start_seq_len``'s)."""
     module = engine.module
     model = _model_spec(module, cfg)
-    train = TrainingSpec(_seq_len(module, cfg), engine.train_micro_batch_size_per_gpu(),
+    train = TrainingSpec(seq_len or start_seq_len(module, cfg)[0], engine.train_micro_batch_size_per_gpu(),
                          engine.gradient_accumulation_steps(), param_dtype, dtypes.name_of(accum_dtype),
                          cfg.grad_reduce_dtype, activation_checkpointing=ckpt,
                          optimizer_per_unit=steps_per_parameter(engine.basic_optimizer))
@@ -264,14 +279,20 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
 
 
 def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-               offload=None) -> tuple:
+               offload=None, seq_len: int = 0) -> tuple:
     """(plan, summary, context) of the fastest plan that fits."""
     context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, checkpoint_units(engine.module, cfg),
-                            offload=offload)
+                            offload=offload, seq_len=seq_len)
+    return solved(context, cfg.seq_len is None)
+
+
+def solved(context: SolveContext, inferred: bool) -> tuple:
+    """(plan, summary, context with its Solution) of the fastest plan that fits ``context``; ``inferred``: the
+    sequence length is not the user's (the error then says how it was chosen)."""
     try:
         sol = context.solve()
     except NoFeasiblePlan as e:
-        raise NoPlanFits(str(e)) from None
+        raise NoPlanFits(f"{e}; {seq_note(context.train, inferred)}") from None
     except PlanError as e:
         raise LinsConfigError(str(e)) from None
     if sol.plan.offload_params and context.offload.params == "needed":  # the solver needed them on the host: the
@@ -283,7 +304,7 @@ def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
 
 
 def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-               offload=None) -> tuple:
+               offload=None, seq_len: int = 0) -> tuple:
     """(plan, summary, context or None) of the config's fixed layout, with the memory the planner predicts
     for it where the model's shape is known (lins.model or a Hugging Face config)."""
     layout = cfg.layout(topo)
@@ -294,20 +315,25 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
         raise LinsConfigError(f"lins.activation_checkpointing: {k} layer units, but the model has {n}")
     plan = Plan(topo, layout, k, param_dtype, dtypes.name_of(accum_dtype), model=type(engine.module).__name__,
                 profile_source="fixed in config", num_layers=n)
-    summary = (f"Lins plan (fixed in config) on {topo.nodes} node(s) x {topo.gpus_per_node}: {layout}"
-               + (f", {k} of {n} layer units checkpointed" if k else ""))
+    summary = _fixed_summary(plan)
     spec = offload[0] if offload is not None else OffloadSpec()
     if spec.mode == "fixed":
         check_placement(spec, layout, topo)
     try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
         table = get_cluster(cfg.cluster).table(cost.required_meshes(topo, [layout]))
-        context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table, offload)
+        context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table, offload, seq_len)
     except PlanError as e:  # a prediction never blocks a fixed plan; a fixed offload still applies
         if spec.mode == "fixed":
             plan = dataclasses.replace(plan, offload_units=spec.choices(n + 1)[0],
                                        offload_grads=spec.grad_choices(layout, topo.world_size) == [True],
                                        offload_params=spec.param_choices(layout) == [True])
         return plan, summary + _fixed_offload_note(plan) + f" (memory not predicted: {e})", None
+    return fixed_predicted(context, plan, summary)
+
+
+def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
+    """(plan, summary, context) of a fixed layout with the offload ``context`` allows and the memory it predicts."""
+    layout, k, spec = plan.layout, plan.activation_checkpointing_units, context.offload
     e = context.fewest_offloaded(layout, k)
     if spec.mode == "auto" and not e.fits_gpu and spec.params == "needed":  # parameters on the host, if that fits
         wider = dataclasses.replace(context, offload=widened(spec))
@@ -342,7 +368,8 @@ class NoPlanFits(LinsConfigError):
     """No plan fits the GPU budget (with the offload the solver was offered)."""
 
 
-def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
+              seq_len: int = 0) -> tuple:
     """(plan, summary, solve context or None, host optimizer kind): solved, or the fixed layout of the config.
     ``"offload": "auto"`` offers the solver offload only where no GPU-resident plan fits (it costs time, and
     measuring the host costs start-up time); a fixed offload is always priced."""
@@ -350,18 +377,102 @@ def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_d
     gpu_only = None  # "auto": the plan without offload (a fixed one that does not fit), or why none fits
     if cfg.offload[0] == "auto":
         try:
-            plan, summary, context = gpu_only = build(engine, cfg, topo, param_dtype, accum_dtype)
+            plan, summary, context = gpu_only = build(engine, cfg, topo, param_dtype, accum_dtype, seq_len=seq_len)
             if cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb:
                 return plan, summary, context, "torch"
         except NoPlanFits as e:
             gpu_only = e
-    reduce = dtypes.TORCH[cfg.grad_reduce_dtype or param_dtype]
-    offload = offload_spec(engine.basic_optimizer, cfg, torch.device(engine.device), (accum_dtype, reduce))
+    offload = _offload_for(engine, cfg, param_dtype, accum_dtype)
     if gpu_only is not None and offload[0].mode == "off":  # a CPU device, or no host optimizer runs here
         if isinstance(gpu_only, NoPlanFits):
             raise gpu_only
         return (*gpu_only, "torch")
-    return (*build(engine, cfg, topo, param_dtype, accum_dtype, offload), offload[1])
+    return (*build(engine, cfg, topo, param_dtype, accum_dtype, offload, seq_len=seq_len), offload[1])
+
+
+def start_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+    """``make_plan`` at start-up. Where the training batches will decide the length (lins.seq_len not set) and no
+    plan fits the provisional one, shorter lengths are tried, down to ``SHORTEST_START_SEQ``: the first batch
+    re-sizes the plan anyway, and fails then, naming its length, if it does not fit."""
+    seq, inferred = start_seq_len(engine.module, cfg) if cfg.solve else (0, False)
+    while True:
+        try:
+            return make_plan(engine, cfg, topo, param_dtype, accum_dtype, seq_len=seq)
+        except NoPlanFits:
+            if not inferred or seq <= SHORTEST_START_SEQ:
+                raise
+            seq = max(SHORTEST_START_SEQ, seq // 2)
+
+
+SHORTEST_START_SEQ = 128
+
+
+FORWARD_SHARE = 0.5  # of the device memory left, what a forward-only engine's parameters may take unsharded
+
+
+def forward_only_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str) -> tuple:
+    """(plan, summary) of an engine without an optimizer (a reference, frozen or inference model): only P matters.
+    A fixed plan's P is kept; else P is replicated where the parameters take at most ``FORWARD_SHARE`` of the memory
+    still free (a training engine may be there already), else sharded inside a node, else over every rank."""
+    from ..plan import Factor, Layout
+
+    need = sum(p.numel() * p.element_size() for p in engine.module.parameters()) / 2**30
+    device = torch.device(engine.device)
+    if not cfg.solve:
+        p = cfg.layout(topo).p
+        why = "fixed in config"
+    else:
+        free = _memory_gb(cfg, device) - (cfg.reserved_gb if cfg.reserved_gb is not None else
+                                          (2.0 if device.type == "cuda" else 0.0))
+        if device.type == "cuda":  # what another engine holds; this model, already moved here, is not counted
+            mine = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.device.type == "cuda")
+            free -= (torch.cuda.memory_allocated(device) - mine) / 2**30
+        free = min(comm.all_gather_object(free))  # every rank the same choice
+        sizes = [Factor(1, 1), Factor(topo.gpus_per_node, 1), Factor(topo.gpus_per_node, topo.nodes)]
+        p = next((f for f in sizes if need / f.size <= FORWARD_SHARE * free), sizes[-1])
+        why = f"parameters {need:.2f} GiB, {max(free, 0):.2f} GiB free"
+    layout = Layout(p, p, p)
+    plan = Plan(topo, layout, 0, param_dtype, param_dtype, model=type(engine.module).__name__,
+                profile_source="forward only", num_layers=len(layer_units(engine.module, cfg)))
+    return plan, (f"Lins plan (forward only: no optimizer) on {topo.nodes} node(s) x {topo.gpus_per_node}: "
+                  f"P={p} ({why})")
+
+
+def _offload_for(engine, cfg: LinsConfig, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+    reduce = dtypes.TORCH[cfg.grad_reduce_dtype or param_dtype]
+    return offload_spec(engine.basic_optimizer, cfg, torch.device(engine.device), (accum_dtype, reduce))
+
+
+def plan_for_length(engine, cfg: LinsConfig, context: SolveContext, plan: Plan, seq_len: int) -> tuple:
+    """(plan, summary, context, host optimizer kind or None) sized for ``seq_len`` from the start-up ``context``
+    (its timing table, activation profile and offload: nothing is measured again, except the host where offload
+    becomes necessary, on every rank alike). A fixed layout keeps its layout and checkpointing."""
+    context = dataclasses.replace(context, train=dataclasses.replace(context.train, seq_len=seq_len), solution=None)
+    inferred = cfg.seq_len is None
+
+    def build(ctx):
+        return solved(ctx, inferred) if cfg.solve else fixed_predicted(ctx, plan, _fixed_summary(plan))
+
+    if cfg.offload[0] != "auto" or context.offload.mode != "off":
+        return (*build(context), None)
+    try:
+        out = build(context)
+        if cfg.solve or out[0].memory_gb <= context.mem.capacity_gb:
+            return (*out, None)
+    except NoPlanFits as e:
+        out = e
+    offload = _offload_for(engine, cfg, plan.param_dtype, dtypes.TORCH[plan.grad_dtype])
+    if offload[0].mode == "off":
+        if isinstance(out, NoPlanFits):
+            raise out
+        return (*out, None)
+    return (*build(dataclasses.replace(context, offload=offload[0])), offload[1])
+
+
+def _fixed_summary(plan: Plan) -> str:
+    k, n = plan.activation_checkpointing_units, plan.num_layers
+    return (f"Lins plan (fixed in config) on {plan.topology.nodes} node(s) x {plan.topology.gpus_per_node}: "
+            f"{plan.layout}" + (f", {k} of {n} layer units checkpointed" if k else ""))
 
 
 def agree_on_plan(plan: Plan, check_collectives: bool = False) -> bool:

@@ -231,6 +231,8 @@ def _report(dev, t0: float, base: int, host_bytes: int) -> RelayoutReport:
     # the peak above what the old or the new plan holds at rest: what the move itself costs
     peak = ((torch.cuda.max_memory_allocated(dev) - max(base, torch.cuda.memory_allocated(dev))) / 2**30
             if dev.type == "cuda" else 0.0)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the move's freed blocks back to the device: the new plan starts unfragmented
     return RelayoutReport(time.perf_counter() - t0, peak, host_bytes / 2**30)
 
 

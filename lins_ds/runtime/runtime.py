@@ -14,6 +14,7 @@ The forward is the executor's hooks'. ``Progress`` says where training is; only 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -34,17 +35,19 @@ class LinsRuntime:
     def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True,
                  device: Optional[torch.device] = None, check_collectives: bool = False,
-                 ends_window: Callable[[], bool] = lambda: True, init: str = "eager"):
+                 ends_window: Callable[[], bool] = lambda: True, init: str = "eager", forward_only: bool = False):
         """``ends_window()``, asked once as each backward starts: does this backward end an accumulation
-        window (the engine knows: its micro-step count, ``no_sync``)."""
+        window (the engine knows: its micro-step count, ``no_sync``). ``forward_only``: an engine without an
+        optimizer, whose units hold every parameter (frozen ones too) and take no gradient."""
         self.module, self.overlap_param_sync, self._ends_window = module, overlap_param_sync, ends_window
         self._accum_dtype, self._reduce_dtype, self._unit_modules = accum_dtype, reduce_dtype, unit_modules
         self._check_collectives = check_collectives
         self._checks = 0
+        self.forward_only = forward_only
         self._group_of = {}
         for gi, group in enumerate(param_groups):
             for p in group["params"]:
-                if p.requires_grad:  # frozen parameters stay whole on every rank, outside any unit
+                if p.requires_grad or forward_only:  # else frozen parameters stay whole on every rank, outside units
                     self._group_of.setdefault(p, gi)
         # a model built without values (lins_ds.init, the meta device) gets them unit by unit, and the rest whole
         mat = Materializer(module, device, init=init) if is_deferred(module) else None
@@ -79,15 +82,19 @@ class LinsRuntime:
             return unit
 
         self.units = []  # read-only: root first, then the layers
+        self.reads_pending = False  # some unit's parameters are not yet current for a reader (``before_user_read``)
         root = placed(build("root", [], root_params, is_root=True)) if root_params else None
         for name, mods, params in layer_entries:
             placed(build(name, mods, params))
         layers = self.units[1:] if root is not None else self.units
         self.device = self.units[0].device if self.units else (device or torch.device("cpu"))
         self.progress = Progress()
-        self._executor = Executor(self.module, root, layers, self._reduce_dtype, self.progress)
+        self._executor = Executor(self.module, root, layers, self._reduce_dtype, self.progress,
+                                  gradients=not self.forward_only)
         self.os_replicas = self.topo.world_size // self.layout.os.size
         self.host_grads = None
+        self._slot_of = {s.param: (u, s) for u in self.units for s in u.slots}
+        self._outside = [p for p in self.module.parameters() if p not in self._slot_of]
         self._place(plan)
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
@@ -165,6 +172,7 @@ class LinsRuntime:
     # --- the steps of training, one caller each (module docstring) ----------------------------
     def begin_backward(self) -> None:
         self.progress.phase, self.progress.ends_window = Phase.BACKWARD, self._ends_window()
+        self.progress.window_done = False
         if self.host_grads is not None:
             self.host_grads.ends_window = self.progress.ends_window
         self._executor.begin_backward()
@@ -173,6 +181,10 @@ class LinsRuntime:
         """Reduce what is left, in order; at a window's end the replica AllReduces are all in flight."""
         self._executor.end_backward()
         self.progress.phase = Phase.FORWARD
+        if self.progress.ends_window:  # as under ZeRO-1, .grad is None now: the window's gradient, averaged over
+            self.progress.window_done = True  # the ranks, is what ``full_grad`` (safe_get_full_grad) assembles
+            for unit in self.units:
+                unit.detach_grads()
 
     def finish_gradients(self) -> None:
         """The boundary: every G chunk all-reduced over its replicas (launched during the last backward where
@@ -189,6 +201,10 @@ class LinsRuntime:
         ``downloads`` it launched) starts the offloaded units' host updates; where no P-sync follows them and
         overlap is on, they outlive this call and each unit's next use waits for its own (docs/design.md §13);
         else they are waited for here, in unit order, each unit's P-sync launched after its update."""
+        held = [u.name for u in self.units if u.held]
+        if held:
+            raise RuntimeError(f"lins: engine.step() inside deepspeed.zero.GatheredParameters (units {held[:3]} are "
+                               "held gathered): leave the context before the step, which rewrites the parameters")
         self.release_all()  # gathered copies are stale now
         if host is not None:
             host.start(downloads)
@@ -201,8 +217,65 @@ class LinsRuntime:
             unit.wait_param_sync()
             unit.start_param_sync(async_op=self.overlap_param_sync)
         self.progress.phase = Phase.FORWARD
+        self.progress.window_done = False
+        self.reads_pending = any(u.param_state in (ParamState.SYNCING, ParamState.UPDATING) for u in self.units)
+
+    # --- what user code reads (docs/design.md §4: "What user code sees") --------------------------------
+    @contextlib.contextmanager
+    def running(self):
+        """The engine itself runs (forward, backward, step): parameter reads inside are its own."""
+        self.progress.busy += 1
+        try:
+            yield
+        finally:
+            self.progress.busy -= 1
+
+    def params_current(self) -> None:
+        """Every parameter this rank holds current for a reader on this stream: each P-sync in flight waited for, each
+        host update still running finished. Issues no collective (a host update outlives ``step()`` only where no
+        P-sync follows it), so one rank alone may call it."""
+        for unit in self.units:
+            unit.wait_param_sync()
+        self.reads_pending = False
+
+    def before_user_read(self) -> None:
+        """Called where user code reads parameters (a module's ``parameters()``, ``named_parameters()``,
+        ``state_dict()``): outside the engine's own forward, backward and step, the updates of the last step are
+        made visible first. Inside them nothing waits: each unit's use waits for its own (the overlap is kept)."""
+        if self.reads_pending and not self.progress.busy and self.progress.phase is Phase.FORWARD:
+            self.params_current()
+
+    def drop_gradients(self) -> None:
+        """``zero_grad``: the gradients accumulated so far are dropped, as DeepSpeed drops them (every rank at the same
+        point; reductions in flight complete first, none is issued). After ``step()`` there is nothing to drop."""
+        if self.progress.phase is Phase.BACKWARD:
+            raise RuntimeError("lins: zero_grad() inside a backward")
+        self._executor.complete_reductions()
+        self.zero_gradients()
+
+    def outside_units(self) -> list:
+        """The model's parameters no unit holds (frozen ones), as they were at build."""
+        return list(self._outside)
+
+    def hold_params(self, params) -> None:
+        """The units holding ``params`` gathered and kept so (every rank, the same params: units in unit order)."""
+        for unit in self._units_of(params):
+            unit.hold()
+
+    def unhold_params(self, params) -> None:
+        for unit in self._units_of(params):
+            unit.unhold()
+
+    def _units_of(self, params) -> list:
+        mine = {self._slot_of[p][0] for p in params if p in self._slot_of}
+        return [u for u in self.units if u in mine]
+
+    def slot_of(self, param) -> tuple:
+        """(unit, slot) holding trainable parameter ``param``; KeyError for one outside every unit (frozen)."""
+        return self._slot_of[param]
 
     def zero_gradients(self) -> None:
+        self.progress.window_done = False
         if self.host_grads is not None:
             self.host_grads.reset()
         for unit in self.units:

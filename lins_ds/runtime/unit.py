@@ -44,6 +44,12 @@ from .config import LinsConfigError
 ALIGN = 64  # elements; keeps every chunk 128-byte aligned in 16-bit dtypes
 
 
+def param_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's shape in the model, also while its unit is released (then ``p`` itself is empty, its shape kept
+    in ``ds_shape`` as ZeRO-3 keeps a partitioned parameter's)."""
+    return getattr(p, "ds_shape", p.shape)
+
+
 class ParamState(enum.Enum):
     SHARDED = "sharded"  # only the P chunk is materialised (s_p > 1)
     GATHERING = "gathering"  # an AllGather into the full buffer is in flight (prefetch)
@@ -169,7 +175,6 @@ class Unit:
         self.accum_dtype, self._g_acc, self._grad_views = accum_dtype, None, None
         self.host_grads = None  # the HostGrads holding this unit's G accumulator, where the plan puts it on the host
         self.host_params = None  # the HostParams uploading this unit's P chunk (held in p_shard, on the host)
-        self.in_place = not self.sharded_g and accum_dtype == self.dtype
         self.param_state, self.grad_state = ParamState.GATHERED, GradState.ACCUMULATING
         self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
         self._no_grad: set = set()  # parameters this backward does not reach (counted in _pending)
@@ -179,6 +184,9 @@ class Unit:
         self._reduce = None  # (work, output) of an in-flight ReduceScatter
         self._replica_tmp = None  # the reduce-dtype copy an in-flight replica AllReduce works on
         self._grads_attached = False
+        self.held = 0  # holds on the gathered parameters (``hold``): a release waits for none left
+        self._holds: list = []  # per hold: whether the unit was already gathered for use when it came
+        self.status = None  # (available, not available): what ``ds_status`` says as the parameters show (zero_api)
         self.release()
 
     def _expect(self, state, allowed: tuple, transition: str) -> None:
@@ -223,6 +231,7 @@ class Unit:
                 host = host_params.empty(self.spec.p_size, self.dtype)
                 host.copy_(self.p_storage)
                 if not self.sharded_p:
+                    self._show_params(False)
                     self.full.untyped_storage().resize_(0)
                 self.p_shard, self.host_params, self.param_state = host, host_params, ParamState.SHARDED
             else:
@@ -232,6 +241,7 @@ class Unit:
                 else:
                     self.full.untyped_storage().resize_(self.spec.padded * self.full.element_size())
                     self.full.copy_(host)
+                    self._show_params(True)
                     self.p_shard, self.param_state = None, ParamState.GATHERED
 
     def start_gather(self) -> None:
@@ -261,16 +271,48 @@ class Unit:
             if self._gather_work is not None:
                 self._gather_work.wait()
             self._gather_work = None
+            self._show_params(True)
             self.param_state = ParamState.GATHERED
 
     def release(self) -> None:
         """Free the full buffer (s_p > 1), never while a collective still writes into it. Nothing to do when it
-        is not gathered (SHARDED, or SYNCING: a unit the last forward did not use)."""
-        if not self.releases or self.param_state in (ParamState.SHARDED, ParamState.SYNCING, ParamState.UPDATING):
+        is not gathered (SHARDED, or SYNCING: a unit the last forward did not use). The parameters become empty
+        tensors, as ZeRO-3's partitioned ones: a read outside forward sees no elements, never freed memory."""
+        if (not self.releases or self.held
+                or self.param_state in (ParamState.SHARDED, ParamState.SYNCING, ParamState.UPDATING)):
             return
         self.wait_gather()
+        self._show_params(False)
         self.full.untyped_storage().resize_(0)
         self.param_state = ParamState.SHARDED
+
+    def hold(self) -> None:
+        """Gathered and kept so until ``unhold`` (ZeRO-3's ``GatheredParameters``): no release in between. A unit
+        already gathered for use (inside a forward) stays as it was after the last unhold."""
+        self._holds.append(self.param_state is ParamState.GATHERED and not self.held)
+        self.wait_gather()
+        self.held += 1
+
+    def unhold(self) -> None:
+        was_gathered = self._holds.pop() if self._holds else False
+        self.held = max(0, self.held - 1)
+        if not self.held and not was_gathered:
+            self.release()
+
+    def _show_params(self, full: bool) -> None:
+        """Each parameter a view into the full buffer (gathered), or an empty tensor (released); ``status`` (ZeRO-3's
+        available / not available, where the parameters carry its API) follows."""
+        if full:
+            for s in self.slots:
+                s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+        else:
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            for s in self.slots:
+                s.param.data = empty
+                s.param.ds_shape, s.param.ds_numel = s.shape, s.numel
+        if self.status is not None:
+            for s in self.slots:
+                s.param.ds_status = self.status[0 if full else 1]
 
     def start_param_sync(self, async_op: bool) -> None:
         """After the optimizer: this rank's P chunk from the OS chunks of its P-sync group."""
@@ -331,8 +373,14 @@ class Unit:
         if self._g_acc is not None or self._pending:
             raise UnitStateError(f"lins: unit {self.name}: place_grads while it holds gradients")
         self.host_grads, self._grad_views = host_grads, None
-        self.in_place = host_grads is None and not self.sharded_g and self.accum_dtype == self.dtype
         self.attach_grads()
+
+    @property
+    def in_place(self) -> bool:
+        """Each .grad a view into the accumulator (s_g == 1, gradients accumulated in the parameter dtype, G on the
+        device), unless the unit releases its parameters: an empty parameter cannot hold a full-size .grad."""
+        return (self.host_grads is None and not self.sharded_g and self.accum_dtype == self.dtype
+                and not self.releases)
 
     @property
     def g_numel(self) -> int:
@@ -363,6 +411,13 @@ class Unit:
         for i, s in enumerate(self.slots):
             s.param.grad = views[i] if views is not None else None
         self._grads_attached = True
+
+    def detach_grads(self) -> None:
+        """No .grad holds the accumulator any more (a window's gradients are whole; the next backward attaches them
+        again)."""
+        for s in self.slots:
+            s.param.grad = None
+        self._grads_attached = False
 
     def _start_accumulator(self, first) -> None:
         """In-place mode, the window's first gradient of this unit (``first``'s, which autograd made as its own

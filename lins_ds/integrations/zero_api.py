@@ -1,0 +1,295 @@
+"""DeepSpeed's parameter API on a Lins plan (docs/design.md §4, "What user code sees").
+
+Code written for DeepSpeed asks a parameter for more than its ``.data``: ``deepspeed.utils.safe_get_full_*`` (and
+``safe_set_full_*``) assemble the fp32 master, an optimizer state or the gradient of a parameter whose optimizer state
+is partitioned (ZeRO-1/2's fragment mapping, ``_hp_mapping``), and ``deepspeed.zero.GatheredParameters`` gathers a
+partitioned parameter (ZeRO-3's ``ds_id``, ``all_gather``, ``partition``). Lins answers both from its units and
+master slices, so that such code — DeepSpeed's helpers, transformers, TRL, PEFT, user scripts — works unchanged:
+
+- every trainable parameter carries the fragment mapping. Full values are assembled by one world AllReduce to which
+  the first OS replica of each chunk contributes (exact, and a collective: every rank calls it, as under ZeRO); the
+  gradient is the window's, averaged over the ranks, between the backward that ends a window and ``step()``;
+- a parameter of a unit that releases its full buffer (P sharded, or on the host) is, outside forward, an empty tensor
+  with ZeRO-3's attributes (``ds_shape``, ``ds_numel``, ...): ``GatheredParameters`` gathers its unit on every rank and,
+  with ``modifier_rank``, writes what that rank changed back into the P chunk and the fp32 master, so that the change
+  outlives the next step;
+- a module's ``parameters()``, ``named_parameters()`` and ``state_dict()`` called after ``step()`` see the updated
+  values: the engine's modules are registered here, and those methods (patched once, process-wide) first make the last
+  step's updates visible (``LinsRuntime.before_user_read``; this rank alone, no collective). Inside the engine's own
+  forward, backward and step nothing waits, so the update still overlaps the next forward where nobody looks.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+import weakref
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from torch import nn
+
+from .. import comm
+
+# module -> a weak reference to its LinsRuntime (the runtime holds the module: a strong one would keep both alive)
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+_metadata_reads = [0]  # > 0 while code that reads only shapes runs (num_parameters): no wait
+ZERO3_ATTRS = ("ds_id", "ds_status", "ds_process_group", "all_gather", "partition", "_z3_optimizer")
+
+
+class Mapping:
+    """What ``_hp_mapping`` holds: the engine (DeepSpeed only tests that the attribute exists)."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+
+    @property
+    def engine(self):
+        engine = self._engine()
+        if engine is None or engine.lins is None or engine.lins.destroyed:
+            raise RuntimeError("lins: this parameter's engine was destroyed; its sharded state is gone")
+        return engine
+
+
+def attach(engine) -> None:
+    """Register the engine's modules for reads, and give each trainable parameter DeepSpeed's API (again after a
+    re-layout: a unit may release its buffer under one plan and not under another)."""
+    _install_read_hooks()
+    rt = engine.lins
+    for m in engine.modules():
+        _OWNERS[m] = weakref.ref(rt)
+    mapping, z3, ds_id = Mapping(engine), Zero3Optimizer(engine), 0
+    for unit in rt.units:
+        for slot in unit.slots:
+            p = slot.param
+            p._hp_mapping = mapping  # GatheredParameters' methods find the engine here (forward-only ones too)
+            if engine.optimizer is not None:
+                for name, fn in (("get_full_hp_param", _get_full_hp_param), ("set_full_hp_param", _set_full_hp_param),
+                                 ("get_full_hp_grad", _get_full_hp_grad), ("set_full_hp_grad", _set_full_hp_grad)):
+                    setattr(p, name, types.MethodType(fn, p))
+            if unit.releases:
+                p.ds_id, p.ds_shape, p.ds_numel = ds_id, slot.shape, slot.numel
+                unit.status = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE)
+                p.ds_status = unit.status[p.numel() == 0]
+                p.ds_process_group = dist.get_world_group()
+                p.all_gather, p.partition = types.MethodType(_all_gather, p), types.MethodType(_partition, p)
+                p._z3_optimizer = z3
+            else:
+                unit.status = None
+                for name in ZERO3_ATTRS + ("ds_shape", "ds_numel"):
+                    if name in p.__dict__:
+                        delattr(p, name)
+            ds_id += 1
+
+
+def detach(engine) -> None:
+    for m in list(engine.modules()):
+        _OWNERS.pop(m, None)
+
+
+# --- full values (collectives: every rank calls them) -------------------------------------------------------
+def full_value(engine, param, key=None) -> torch.Tensor:
+    """The fp32 master of ``param`` (``key`` None) or its element-wise optimizer state ``key``, whole, on every rank."""
+    rt, opt = engine.lins, engine.optimizer
+    if opt.host is not None:
+        opt.host.join()  # masters on the host are being written by the last step's update
+    unit, slot = rt.slot_of(param)
+    buf = torch.zeros(slot.numel + 1, dtype=torch.float32, device=rt.device)
+    if rt.is_checkpoint_writer:  # one OS replica contributes: the sum is exact
+        for sl in opt.slices:
+            if sl.range.unit is not unit:
+                continue
+            src = sl.param.data if key is None else opt.state.get(sl.param, {}).get(key)
+            for name, (a, b), (s, e) in sl.range.by_parameter():
+                if name != slot.name:
+                    continue
+                if not (torch.is_tensor(src) and src.shape == sl.param.shape):
+                    buf[-1] = 1.0  # no such element-wise state (yet) on this rank
+                    continue
+                buf[a:b].copy_(src[s:e])
+    comm.all_reduce(rt.groups, "world", buf, tag="full-param")
+    if buf[-1].item():
+        raise ValueError(f"lins: parameter {slot.name} has no element-wise optimizer state {key!r} (yet): "
+                         f"keys after a step: {sorted(_state_keys(opt))}")
+    return buf[:-1].view(slot.shape)
+
+
+def set_full_value(engine, param, value: torch.Tensor, key=None) -> None:
+    """Write ``value`` (the whole parameter, the same on every rank) into the fp32 master or state ``key`` of every
+    slice this rank holds, and, for the master, into the parameter this rank holds; no collective."""
+    rt, opt = engine.lins, engine.optimizer
+    if opt.host is not None:
+        opt.host.join()
+    rt.params_current()
+    unit, slot = rt.slot_of(param)
+    flat = value.detach().reshape(-1)
+    with torch.no_grad():
+        for sl in opt.slices:
+            if sl.range.unit is not unit:
+                continue
+            dst = sl.param.data if key is None else opt.state.get(sl.param, {}).get(key)
+            if not (torch.is_tensor(dst) and dst.shape == sl.param.shape):
+                raise ValueError(f"lins: parameter {slot.name} has no element-wise optimizer state {key!r}")
+            for name, (a, b), (s, e) in sl.range.by_parameter():
+                if name == slot.name:
+                    dst[s:e].copy_(flat[a:b])
+        if key is None:
+            write_param(unit, slot, flat)
+
+
+def write_param(unit, slot, flat: torch.Tensor) -> None:
+    """The part of ``slot``'s values this rank holds in P (its P chunk, or the whole unit), from ``flat``."""
+    if unit.releases:
+        unit.p_shard_write(slot, flat.to(unit.dtype))
+    else:
+        unit.full[slot.offset:slot.offset + slot.numel].copy_(flat)
+
+
+def full_grad(engine, param) -> torch.Tensor:
+    """``param``'s gradient for the window just ended, averaged over the ranks (and unscaled), whole, on every rank."""
+    rt, opt = engine.lins, engine.optimizer
+    _require_window(rt)
+    rt.finish_gradients()  # every replica AllReduce done (the step's own call then finds nothing to do)
+    rt.host_grad_square_sum()  # G on the host: every push of the window added in
+    unit, slot = rt.slot_of(param)
+    buf = torch.zeros(slot.numel, dtype=torch.float32, device=rt.device)
+    r = unit.os_range(slot.group)
+    if rt.is_checkpoint_writer and r is not None:
+        grads = r.grads()
+        for name, (a, b), (s, e) in r.by_parameter():
+            if name == slot.name:
+                buf[a:b].copy_(grads[s:e])
+    comm.all_reduce(rt.groups, "world", buf, tag="full-grad")
+    return buf.div_(rt.topo.world_size * opt.cur_scale).view(slot.shape)
+
+
+def set_full_grad(engine, param, value: torch.Tensor) -> None:
+    """Make ``value`` (averaged over the ranks, as ``full_grad`` gives it) the window's gradient of ``param`` in this
+    rank's G accumulator; no collective."""
+    rt, opt = engine.lins, engine.optimizer
+    _require_window(rt)
+    rt.finish_gradients()
+    rt.host_grad_square_sum()
+    unit, slot = rt.slot_of(param)
+    flat = value.detach().reshape(-1).float() * (rt.topo.world_size * opt.cur_scale)
+    with torch.no_grad():
+        for s_, (a, b), (s, e) in unit.slices_by_parameter(unit.g_base, unit.g_base + unit.g_numel):
+            if s_ is slot:
+                unit.g_acc[s:e].copy_(flat[a:b])
+    if rt.host_grads is not None:
+        rt.host_grads.forget_norms()
+
+
+def _require_window(rt) -> None:
+    if not rt.progress.window_done:
+        raise ValueError("lins: the full gradient is available between the backward that ends an accumulation window "
+                         "and engine.step() (as under ZeRO-1/2)")
+
+
+def _state_keys(opt) -> set:
+    return {k for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+
+
+# --- the methods DeepSpeed's helpers call on a parameter ------------------------------------------------------
+def _get_full_hp_param(self, optim_state_key=None):
+    return full_value(self._hp_mapping.engine, self, optim_state_key)
+
+
+def _set_full_hp_param(self, value, optim_state_key=None):
+    set_full_value(self._hp_mapping.engine, self, value, optim_state_key)
+
+
+def _get_full_hp_grad(self):
+    return full_grad(self._hp_mapping.engine, self)
+
+
+def _set_full_hp_grad(self, value):
+    set_full_grad(self._hp_mapping.engine, self, value)
+
+
+class Zero3Optimizer:
+    """``param._z3_optimizer``: what DeepSpeed's helpers ask of a ZeRO-3 parameter's optimizer."""
+
+    def __init__(self, engine):
+        self._mapping = Mapping(engine)
+
+    def get_full_hp_param(self, param, optim_state_key=None):
+        return full_value(self._mapping.engine, param, optim_state_key)
+
+    def set_full_hp_param(self, value, param, optim_state_key=None):
+        set_full_value(self._mapping.engine, param, value, optim_state_key)
+
+    def get_fp32_grad_for_param(self, param):
+        return full_grad(self._mapping.engine, param)
+
+    def set_fp32_grad_for_param(self, value, param):
+        set_full_grad(self._mapping.engine, param, value)
+
+
+def _all_gather(self, param_list=None, async_op=False, hierarchy=None):
+    """ZeRO-3's ``param.all_gather``: the units of ``param_list`` gathered and held (every rank, the same list)."""
+    params = param_list if param_list is not None else [self]
+    self._hp_mapping.engine.lins.hold_params(params)  # ds_status follows the units (Unit._show_params)
+    return None
+
+
+def _partition(self, param_list=None, hierarchy=None, has_been_updated=False, free_data=True):
+    """ZeRO-3's ``param.partition``: held units released; with ``has_been_updated`` (``GatheredParameters`` with a
+    ``modifier_rank``, after its broadcast) the values written back into the P chunk and the fp32 master first."""
+    params = param_list if param_list is not None else [self]
+    engine = self._hp_mapping.engine
+    if has_been_updated:
+        for p in params:
+            if engine.optimizer is not None:
+                set_full_value(engine, p, p.data.float())
+            else:  # forward only: the parameters are all there is
+                write_param(*engine.lins.slot_of(p), p.data.reshape(-1))
+    engine.lins.unhold_params(params)
+
+
+# --- reads through a module ------------------------------------------------------------------------------------
+def _install_read_hooks() -> None:
+    """Once per process: ``named_parameters`` (which ``parameters`` calls) and ``state_dict`` of a registered module
+    make the last step's updates visible before reading; one dictionary lookup for any other module. transformers'
+    ``num_parameters`` (the Trainer calls it after every micro-step, for its FLOP count) reads only shapes: it waits
+    for nothing, and counts a partitioned parameter by its ``ds_numel``."""
+    if not getattr(nn.Module.named_parameters, "_lins_reads", False):
+        for name in ("named_parameters", "state_dict"):
+            setattr(nn.Module, name, _before_read(getattr(nn.Module, name)))
+    hf = sys.modules.get("transformers.modeling_utils")
+    if hf is not None and not getattr(hf.PreTrainedModel.num_parameters, "_lins_reads", False):
+        hf.PreTrainedModel.num_parameters = _shapes_only(hf.PreTrainedModel.num_parameters)
+
+
+def _before_read(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if _OWNERS and not _metadata_reads[0] and not torch.compiler.is_compiling():
+            ref = _OWNERS.get(self)
+            rt = ref() if ref is not None else None
+            if rt is not None and not rt.destroyed:
+                rt.before_user_read()
+        return method(self, *args, **kwargs)
+
+    wrapper._lins_reads = True
+    return wrapper
+
+
+def _shapes_only(num_parameters):
+    @functools.wraps(num_parameters)
+    def wrapper(self, only_trainable: bool = False, exclude_embeddings: bool = False):
+        if _OWNERS.get(self) is None:
+            return num_parameters(self, only_trainable, exclude_embeddings)
+        _metadata_reads[0] += 1
+        try:  # a partitioned parameter counts whole, as ZeRO-3's (transformers asks ds_numel only under ZeRO-3)
+            skip = ({f"{n}.weight" for n, m in self.named_modules() if isinstance(m, nn.Embedding)}
+                    if exclude_embeddings else set())
+            return sum(int(getattr(p, "ds_numel", p.numel())) for n, p in self.named_parameters()
+                       if n not in skip and (p.requires_grad or not only_trainable))
+        finally:
+            _metadata_reads[0] -= 1
+
+    wrapper._lins_reads = True
+    return wrapper
