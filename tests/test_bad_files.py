@@ -98,10 +98,10 @@ def test_a_broken_checkpoint_file_is_named_on_every_rank(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     results = run(broken_checkpoint_loads, 4, ckpt, gpus_per_node=2)
     for r in results:
-        assert "shard-00000.safetensors is unreadable" in r["shard"], r["shard"]
+        assert "shard-00000.safetensors is corrupted" in r["shard"], r["shard"]  # its digest, before reading
         assert "shard-00002.safetensors" in r["missing-shard"], r["missing-shard"]
-        assert "extra.pt is unreadable" in r["extra"] and "central directory" not in r["extra"].split(":")[0]
-        assert "frozen.safetensors is unreadable" in r["frozen"]
+        assert "extra.pt is corrupted" in r["extra"] and "central directory" not in r["extra"].split(":")[0]
+        assert "frozen.safetensors is corrupted" in r["frozen"]
         assert "meta.json is unreadable" in r["meta"]
         assert all(v.startswith("LinsCheckpointError") for k, v in r.items() if k != "after")
         assert r["after"].endswith("global_step1")
@@ -114,7 +114,7 @@ def test_consolidate_names_a_truncated_frozen_file_and_foreign_checkpoints(tmp_p
     frozen = tmp_path / "ckpt" / "global_step1" / "frozen.safetensors"
     frozen.write_bytes(frozen.read_bytes()[:20])
     code, err = cli(capsys, "consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    assert code == 2 and "frozen.safetensors is unreadable" in err
+    assert code == 2 and "frozen.safetensors is corrupted" in err  # its digest, before it is read
     (tmp_path / "ds" / "global_step3").mkdir(parents=True)
     for f in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         (tmp_path / "ds" / "global_step3" / f).write_bytes(b"")

@@ -181,6 +181,6 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
     for r in res:
         assert "no checkpoint tag 'global_step99'" in r["missing-tag"]
         assert "from another model" in r["other-model"]
-    assert all("shard-00000.safetensors is unreadable" in r["truncated"] for r in res)  # every rank names it
+    assert all("shard-00000.safetensors is corrupted" in r["truncated"] for r in res)  # every rank names it
     meta = json.load(open(os.path.join(ckpt, "global_step1", "meta.json")))
     assert meta["global_steps"] == 1  # nothing overwritten

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from .. import dtypes
-from .formats import LINS, LinsCheckpointError, identify, locate, save_file
+from .formats import LINS, LinsCheckpointError, identify, locate, save_file, verify_digest
+from .layout_free import DIGESTS
 from .load import ShardReader, _read, read_meta
 
 
@@ -18,8 +19,10 @@ def full_state_dict(path: str, dtype: torch.dtype, exclude_frozen: bool = False)
     """Every parameter (aliases of tied weights once) and persistent buffer, whole, in ``dtype``; frozen parameters
     left out with ``exclude_frozen``, or where the save left them out (``exclude_frozen_parameters``)."""
     meta = read_meta(path)
-    reader = ShardReader(path, meta["index"])
-    frozen = _read(load_file, os.path.join(path, "frozen.safetensors"))
+    digests = meta.get(DIGESTS)
+    reader = ShardReader(path, meta["index"], digests, "consolidate")
+    frozen = _read(lambda p: (verify_digest(p, digests, "consolidate"), load_file(p))[1],
+                   os.path.join(path, "frozen.safetensors"))
     exclude_frozen = exclude_frozen or meta.get("frozen_excluded", False)
     out = {}
     for name, info in meta["params"].items():

@@ -10,7 +10,8 @@ import torch
 
 from . import universal
 from .consolidate import checkpoint_path
-from .formats import LinsCheckpointError, load_pickle
+from .formats import LinsCheckpointError, load_pickle, verify_digest
+from .layout_free import DIGESTS
 from .load import ShardReader, _read, read_meta
 
 def _parameters(path: str, meta: dict, reader: ShardReader):
@@ -35,9 +36,11 @@ def to_universal(ckpt_dir: str, out_dir: str, tag=None, trust_pickle: bool = Fal
     if unknown:
         raise LinsCheckpointError(f"convert: {path} holds {meta['optimizer']} state {sorted(unknown)}; DeepSpeed's "
                                   "universal checkpoint carries Adam's (exp_avg, exp_avg_sq)")
-    reader = ShardReader(path, meta["index"])
+    digests = meta.get(DIGESTS)
+    reader = ShardReader(path, meta["index"], digests, "convert")
     step = reader.scalar(0, "step")
-    extra = _read(lambda p: load_pickle(p, trust_pickle), os.path.join(path, "extra.pt"))
+    extra = _read(lambda p: (verify_digest(p, digests, "convert"), load_pickle(p, trust_pickle))[1],
+                  os.path.join(path, "extra.pt"))
     counters = {k: meta[k] for k in ("global_steps", "global_samples", "skipped_steps")}
     os.makedirs(out_dir, exist_ok=True)
     return universal.write(_parameters(path, meta, reader), float(step) if step is not None else 0.0,

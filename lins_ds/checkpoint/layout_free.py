@@ -10,17 +10,38 @@ A checkpoint tag directory holds
     extra.pt                  LR scheduler, loss scaler, client_state (rank 0)
     config.json               the Hugging Face model config, when there is one
 A save goes to "<tag>.incomplete", marked by a "SAVING" file written first, and is renamed to "<tag>" once
-every rank has written (the marker removed just before); "latest" is rewritten last. So a killed save leaves
-the previous checkpoint and "latest" intact, and is recognised by its marker.
+every rank has written (the marker removed just before; an existing "<tag>" is first renamed "<tag>.old", removed
+last); "latest" is rewritten last. meta.json records each file's SHA-256 (``digests``), checked when it is read. So
+a killed save leaves, at every instant, one complete copy that a load finds: "<tag>", else a complete
+"<tag>.incomplete" (the marker gone), else "<tag>.old".
 """
 
 from __future__ import annotations
+
+import os
 
 FORMAT = "lins_ds.checkpoint/1"
 META = "meta.json"
 LATEST = "latest"
 INCOMPLETE = ".incomplete"
+OLD = ".old"  # an existing tag while a re-save of it is put in place
 SAVING = "SAVING"  # the marker of a save in progress, inside "<tag>.incomplete"
+DIGESTS = "digests"  # meta.json: file name -> SHA-256 hex of its bytes
+
+
+def checked_tag(tag, where: str) -> str:
+    """``tag`` as a directory name inside the checkpoint directory, or LinsCheckpointError naming ``where`` it came
+    from: no separator, no "." or "..", not absolute, not empty (a tag, or a ``latest`` file, must never lead a save
+    or a load outside the checkpoint directory)."""
+    from .formats import LinsCheckpointError
+
+    tag = str(tag)
+    bad = (not tag or tag in (".", "..") or "/" in tag or "\\" in tag or (os.sep in tag) or "\x00" in tag
+           or os.path.isabs(tag))
+    if bad:
+        raise LinsCheckpointError(f"{where}: tag {tag!r} is not a directory name inside the checkpoint directory (no "
+                                  "path separators, '.' or '..'); checkpoints are read and written only there")
+    return tag
 
 
 def range_key(name: str, a: int, b: int, what: str) -> str:

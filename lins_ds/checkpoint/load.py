@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from .. import comm
 from ..runtime.unit import param_shape
-from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, load_pickle, locate
-from .layout_free import FORMAT, META, overlaps, range_key
+from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, load_pickle, locate, verify_digest
+from .layout_free import DIGESTS, FORMAT, META, overlaps, range_key
 from .universal import UniversalReader, convert
 
 ADAM_FAMILY = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}  # what a DeepSpeed universal checkpoint's state fits
@@ -28,11 +28,14 @@ ADAM_FAMILY = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}  # what a DeepS
 
 def agreed(fn):
     """``fn()`` on every rank; if it raised on any rank, every rank raises that rank's error (checkpoint
-    reads fail together, before any collective; the message names the file)."""
+    reads fail together, before any collective; the message names the file). Any exception counts: one left to
+    propagate on one rank would leave the others waiting in this agreement."""
     try:
         result, error = fn(), None
     except (LinsCheckpointError, OSError) as e:
         result, error = None, str(e)
+    except Exception as e:  # noqa: BLE001 - agreed, then raised on every rank
+        result, error = None, f"load_checkpoint: {type(e).__name__}: {e}"
     error = comm.agree(error)
     if error is not None:
         raise LinsCheckpointError(error)
@@ -41,13 +44,15 @@ def agreed(fn):
 
 # --- the two kinds of source --------------------------------------------------------------------------------
 class ShardReader:
-    """Element ranges of a Lins checkpoint's shard files."""
+    """Element ranges of a Lins checkpoint's shard files, each checked against its recorded SHA-256 when first
+    opened (``digests``: meta.json's; None for a checkpoint written before digests)."""
 
-    def __init__(self, path: str, index: dict):
-        self.path, self.index, self._files = path, index, {}
+    def __init__(self, path: str, index: dict, digests: dict = None, what: str = "load_checkpoint"):
+        self.path, self.index, self._files, self.digests, self.what = path, index, {}, digests, what
 
     def _open(self, fname: str):
         if fname not in self._files:
+            verify_digest(os.path.join(self.path, fname), self.digests, self.what)
             try:
                 self._files[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
             except (SafetensorError, OSError) as e:
@@ -86,7 +91,7 @@ class ShardReader:
 class LinsCheckpoint:
     def __init__(self, path: str):
         self.path, self.meta = path, read_meta(path)
-        self.reader = ShardReader(path, self.meta["index"])
+        self.reader = ShardReader(path, self.meta["index"], self.meta.get(DIGESTS))
         self.elementwise, self.scalars = self.meta["elementwise_state"], self.meta["scalar_state"]
         self.param_groups = self.meta["param_groups"]
 
@@ -99,8 +104,11 @@ class LinsCheckpoint:
 
     def rest(self, trust_pickle: bool = False) -> dict:
         """Frozen parameters and buffers, LR scheduler, loss scaler, counters, client_state."""
-        frozen = _read(lambda p: load_file(p), os.path.join(self.path, "frozen.safetensors"))
-        extra = _read(lambda p: load_pickle(p, trust_pickle), os.path.join(self.path, "extra.pt"))
+        digests = self.meta.get(DIGESTS)
+        frozen = _read(lambda p: (verify_digest(p, digests), load_file(p))[1],
+                       os.path.join(self.path, "frozen.safetensors"))
+        extra = _read(lambda p: (verify_digest(p, digests), load_pickle(p, trust_pickle))[1],
+                      os.path.join(self.path, "extra.pt"))
         counters = {k: self.meta[k] for k in ("global_steps", "global_samples", "skipped_steps")}
         return {"tensors": frozen, "lr_scheduler": extra["lr_scheduler"], "loss_scaler": extra["loss_scaler"],
                 "client_state": extra["client_state"], "counters": counters}
@@ -111,9 +119,9 @@ class UniversalCheckpoint:
 
     elementwise, scalars = ["exp_avg", "exp_avg_sq"], ["step"]
 
-    def __init__(self, path: str, origin: str):
+    def __init__(self, path: str, origin: str, trust: bool = False):
         self.path, self.origin = path, origin
-        self.reader = UniversalReader(path)
+        self.reader = UniversalReader(path, trust)
         self.param_groups = self.reader.param_groups
 
     def check(self, engine, strict: bool, with_state: bool) -> None:
@@ -135,7 +143,7 @@ class UniversalCheckpoint:
                                       f"this engine uses {name}; pass load_optimizer_states=False")
 
     def rest(self, trust_pickle: bool = False) -> dict:
-        """DeepSpeed's own files, read as DeepSpeed reads them (``torch.load(weights_only=False)``)."""
+        """DeepSpeed's own files: its data (``checkpoint_pickle``: everything, as DeepSpeed reads them)."""
         ms = self.reader.model_states
         return {"tensors": self.reader.buffers(), "lr_scheduler": ms.get("lr_scheduler"), "loss_scaler": None,
                 "client_state": self.reader.client_state(), "counters": self.reader.counters()}
@@ -151,6 +159,10 @@ def _read(read, path: str):
                                   f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
+META_FIELDS = {"params": dict, "index": dict, "param_groups": list, "elementwise_state": list, "scalar_state": list,
+               "optimizer": str, "global_steps": int, "global_samples": int, "skipped_steps": int}
+
+
 def read_meta(path: str) -> dict:
     try:
         with open(os.path.join(path, META), encoding="utf-8") as f:
@@ -160,6 +172,15 @@ def read_meta(path: str) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise LinsCheckpointError(f"load_checkpoint: {path} is not a lins_ds checkpoint "
                                   f"(format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
+    for key, kind in META_FIELDS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise LinsCheckpointError(f"load_checkpoint: {path}/{META} is malformed: {key!r} is "
+                                      f"{type(meta.get(key)).__name__}, expected {kind.__name__}")
+    bad = [n for n, v in meta["params"].items()
+           if not (isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("trainable"), bool))]
+    if bad or not isinstance(meta.get(DIGESTS, {}), dict):
+        raise LinsCheckpointError(f"load_checkpoint: {path}/{META} is malformed: "
+                                  + (f"params entry {bad[0]!r}" if bad else f"{DIGESTS!r}"))
     return meta
 
 
@@ -177,14 +198,15 @@ def check_model(meta: dict, module: torch.nn.Module, strict: bool) -> None:
 
 
 @contextlib.contextmanager
-def opened(found: Found):
+def opened(found: Found, trust: bool = False):
     """The checkpoint to read. A DeepSpeed ZeRO checkpoint is converted by DeepSpeed's ds_to_universal on rank 0
-    into a work directory beside it (removed afterwards; the user's files are only read)."""
+    into a work directory beside it (removed afterwards; the user's files are only read). DeepSpeed's files are read
+    as DeepSpeed's data only, unless ``trust`` (``lins.checkpoint_pickle``)."""
     if found.kind == LINS:
         yield agreed(lambda: LinsCheckpoint(found.path))
         return
     if found.kind != DEEPSPEED:
-        yield agreed(lambda: UniversalCheckpoint(found.path, found.path))
+        yield agreed(lambda: UniversalCheckpoint(found.path, found.path, trust))
         return
     work = os.path.join(os.path.dirname(os.path.abspath(found.path)),
                         f".lins-convert-{os.path.basename(found.path)}")
@@ -192,46 +214,82 @@ def opened(found: Found):
         def convert_on_rank0():
             if comm.rank() == 0:
                 shutil.rmtree(work, ignore_errors=True)
-                convert(found.path, work)
+                convert(found.path, work, trust)
         agreed(convert_on_rank0)
-        yield agreed(lambda: UniversalCheckpoint(os.path.join(work, "universal"), found.path))
+        yield agreed(lambda: UniversalCheckpoint(os.path.join(work, "universal"), found.path, trust))
     finally:
         comm.barrier()
         if comm.rank() == 0:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _fill_optimizer(engine, ckpt, with_state: bool) -> None:
-    """This rank's master slices (and their optimizer state) from the checkpoint."""
+def _stage_optimizer(engine, ckpt, with_state: bool) -> list:
+    """This rank's master slices (and their optimizer state) as the checkpoint has them, read into new tensors on
+    the host: [(slice, master, {state key: tensor or scalar})]. Nothing of the engine is touched."""
     opt, reader = engine.optimizer, ckpt.reader
+    out = []
     for gi, group in enumerate(opt.param_groups):
         for sl in [s for s in opt.slices if any(s.param is p for p in group["params"])]:
-            state = {k: torch.zeros_like(sl.param.data) for k in ckpt.elementwise} if with_state else {}
+            master = torch.empty(sl.param.shape, dtype=torch.float32)
+            state = {k: torch.zeros(sl.param.shape, dtype=sl.param.dtype) for k in ckpt.elementwise} if with_state else {}
             for name, (a, b), (s, e) in sl.range.by_parameter():
-                reader.fill(sl.param.data[s:e], name, a, b, "master")
+                reader.fill(master[s:e], name, a, b, "master")
                 for k, t in state.items():
                     reader.fill(t[s:e], name, a, b, k)
             for k in ckpt.scalars if with_state else ():
                 v = reader.scalar(gi, k)
                 if v is not None:
                     state[k] = v  # scalar state (Adam's step) lives on the CPU unless the optimizer is capturable
-            if with_state:
-                opt.state[sl.param] = state
-            sl.write_back()
+            out.append((sl, master, state))
+    return out
+
+
+def _apply_optimizer(engine, staged: list, with_state: bool) -> None:
+    """The staged masters (and state) into this rank's slices (a copy to the device: nothing left to fail)."""
+    opt = engine.optimizer
+    for sl, master, state in staged:
+        sl.param.data.copy_(master)
+        if with_state:
+            opt.state[sl.param] = {k: v.to(sl.param.device) if torch.is_tensor(v) and v.dim() else v
+                                   for k, v in state.items()}
+        sl.write_back()
+
+
+def _check_rest(engine, ckpt, rest: dict, with_state: bool, load_lr_scheduler_states: bool, load_module_only: bool):
+    """What the apply step would refuse, refused now (before any rank changes anything)."""
+    if with_state and ckpt.param_groups and ckpt.kind_strict:
+        _restore_group_hyperparameters([dict(g) for g in engine.optimizer.param_groups], ckpt.param_groups, True)
+    if load_module_only or not load_lr_scheduler_states or engine.lr_scheduler is None:
+        return
+    sched = rest["lr_scheduler"]
+    if sched is not None and not isinstance(sched, dict):
+        raise LinsCheckpointError(f"load_checkpoint: {ckpt.path}: the LR scheduler's state is a "
+                                  f"{type(sched).__name__}, not a state dict")
 
 
 @torch.no_grad()
 def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False, trust_pickle: bool = False):
+    """All or nothing: every rank reads, checks and stages all it needs (masters, optimizer state, frozen tensors,
+    scheduler, loss scaler, counters, client_state) before any rank changes its engine; an error on any rank is every
+    rank's, raised with each engine exactly as it was."""
     found = agreed(lambda: locate(load_dir, tag))
     if found is None:
         return None, None
     with_state = load_optimizer_states and not load_module_only
-    with opened(found) as ckpt:
+    with opened(found, trust_pickle) as ckpt:
+        ckpt.kind_strict = found.kind == LINS
         agreed(lambda: ckpt.check(engine, load_module_strict, with_state))
         engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
-        agreed(lambda: _fill_optimizer(engine, ckpt, with_state))
-        rest = agreed(lambda: ckpt.rest(trust_pickle))
+
+        def stage():
+            rest = ckpt.rest(trust_pickle)
+            _check_rest(engine, ckpt, rest, with_state, load_lr_scheduler_states, load_module_only)
+            return _stage_optimizer(engine, ckpt, with_state), rest
+
+        staged, rest = agreed(stage)
+    # from here on every rank has everything: nothing is read, nothing can be missing
+    _apply_optimizer(engine, staged, with_state)
     if with_state and ckpt.param_groups:
         _restore_group_hyperparameters(engine.optimizer.param_groups, ckpt.param_groups, found.kind == LINS)
     engine.lins.sync_parameters()

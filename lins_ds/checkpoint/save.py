@@ -12,8 +12,8 @@ import torch
 from .. import comm
 from ..runtime.unit import param_shape
 from .zero_to_fp32 import write_script
-from .formats import LinsCheckpointError, save_file
-from .layout_free import FORMAT, INCOMPLETE, LATEST, META, SAVING, range_key
+from .formats import LinsCheckpointError, file_digest, save_file
+from .layout_free import DIGESTS, FORMAT, INCOMPLETE, LATEST, META, OLD, SAVING, checked_tag, range_key
 
 __all__ = ["LinsCheckpointError", "save"]
 
@@ -85,7 +85,7 @@ def _agree_on_tag(engine, tag) -> str:
     tags = comm.all_gather_object(tag)
     if len(set(tags)) != 1:
         raise LinsCheckpointError(f"save_checkpoint: tag differs across ranks ({sorted(set(tags))}); pass one tag")
-    return tag
+    return checked_tag(tag, "save_checkpoint")  # every rank has the same tag: the same verdict
 
 
 def _write_shard(engine, tmp: str):
@@ -95,13 +95,14 @@ def _write_shard(engine, tmp: str):
     tensors, index, ew, sc = shard_tensors(engine.optimizer)
     fname = f"shard-{comm.rank():05d}.safetensors"
     save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-    return fname, index, sorted(ew), sorted(sc)
+    return fname, index, sorted(ew), sorted(sc), file_digest(os.path.join(tmp, fname))
 
 
 def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_frozen: bool = False) -> None:
     """Frozen parameters and buffers, extra.pt, config.json, and meta.json last (it marks a whole directory)."""
     entries = [e for e in entries if e is not None]
-    index = {fname: idx for fname, idx, _, _ in entries}
+    index = {fname: idx for fname, idx, _, _, _ in entries}
+    digests = {fname: digest for fname, _, _, _, digest in entries}
     ew = {k for e in entries for k in e[2]}
     sc = {k for e in entries for k in e[3]}
     save_file(frozen_and_buffers(engine.module, exclude_frozen), os.path.join(tmp, "frozen.safetensors"),
@@ -114,14 +115,22 @@ def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_fr
     if hf is not None and hasattr(hf, "to_json_string"):
         with open(os.path.join(tmp, "config.json"), "w") as f:
             f.write(hf.to_json_string())
+    for fname in ("frozen.safetensors", "extra.pt", "config.json"):
+        if os.path.exists(os.path.join(tmp, fname)):
+            digests[fname] = file_digest(os.path.join(tmp, fname))
     with open(os.path.join(tmp, META), "w") as f:
-        json.dump(_json_safe({**_meta(engine, index, ew, sc), "frozen_excluded": exclude_frozen}), f, indent=1)
+        json.dump(_json_safe({**_meta(engine, index, ew, sc), "frozen_excluded": exclude_frozen, DIGESTS: digests}),
+                  f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
-    """Drop the in-progress marker, rename the complete directory into place, then rewrite ``latest``."""
+    """Drop the in-progress marker, rename the complete directory into place, then rewrite ``latest``. Killed at any
+    instant, one complete copy is left where ``formats.locate`` looks: ``tag``, else the complete ``tag.incomplete``,
+    else ``tag.old`` (a copy left by an earlier interrupted re-save is removed only once the new one is in place)."""
     os.remove(os.path.join(tmp, SAVING))
-    final, old = os.path.join(save_dir, tag), os.path.join(save_dir, tag + ".old")
+    final, old = os.path.join(save_dir, tag), os.path.join(save_dir, tag + OLD)
     if os.path.exists(final):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -137,6 +146,7 @@ def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
 def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
          exclude_frozen: bool = False) -> bool:
     tag = _agree_on_tag(engine, tag)
+    engine.optimizer.check_host()  # host updates done on every rank (or every rank raises the failing one's error)
     engine.lins.wait()  # fp32 masters alias the P storage an in-flight P-sync writes
     tmp = os.path.join(save_dir, tag + INCOMPLETE)
     _agreed(lambda: _start(save_dir, tmp, tag) if comm.rank() == 0 else None)

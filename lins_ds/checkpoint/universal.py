@@ -12,6 +12,7 @@ writes both, so every stage loads it with ``"checkpoint": {"load_universal": tru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import shutil
@@ -19,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .formats import LATEST_UNIVERSAL, LinsCheckpointError
+from .formats import LATEST_UNIVERSAL, LinsCheckpointError, load_deepspeed
 
 ADAM_STATE = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # Lins key -> file name
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -29,15 +30,34 @@ ENGINE_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_pa
                "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info")
 
 
-def _load(path: str):
+def _load(path: str, trust: bool = False):
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_deepspeed(path, trust)
+    except LinsCheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to read is a broken file, named
         raise LinsCheckpointError(f"load_checkpoint: {path} is unreadable (truncated or corrupted?): "
                                   f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
-def convert(deepspeed_dir: str, work_dir: str) -> str:
+@contextlib.contextmanager
+def _deepspeed_reads(trust: bool):
+    """While DeepSpeed's own code reads a checkpoint (ds_to_universal asks ``torch.load(weights_only=False)``), its
+    reads go through ``load_deepspeed``: DeepSpeed's classes and data only, unless ``trust``."""
+    real = torch.load
+
+    def load(f, *args, weights_only=None, **kwargs):
+        kwargs.pop("map_location", None)
+        return load_deepspeed(f, trust, real_load=lambda p, **kw: real(p, *args, **{**kwargs, **kw}))
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = real
+
+
+def convert(deepspeed_dir: str, work_dir: str, trust: bool = False) -> str:
     """Convert a DeepSpeed ZeRO checkpoint to a universal one with DeepSpeed's own ``ds_to_universal``, into
     ``work_dir/universal`` (DeepSpeed also writes ``latest_universal`` into ``work_dir``, never beside the
     user's checkpoint). Returns the universal directory."""
@@ -47,7 +67,10 @@ def convert(deepspeed_dir: str, work_dir: str) -> str:
     args = argparse.Namespace(input_folder=deepspeed_dir, output_folder=out, num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     try:
-        main(args)
+        with _deepspeed_reads(trust):
+            main(args)
+    except LinsCheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - DeepSpeed's converter on a checkpoint it cannot read
         raise LinsCheckpointError(f"load_checkpoint: DeepSpeed's ds_to_universal could not convert {deepspeed_dir}: "
                                   f"{type(e).__name__}: {str(e)[:300]}") from None
@@ -57,14 +80,15 @@ def convert(deepspeed_dir: str, work_dir: str) -> str:
 class UniversalReader:
     """Element ranges of whole parameters, by name, from a universal checkpoint (one parameter cached)."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, trust: bool = False):
+        """``trust`` (``lins.checkpoint_pickle``): read the files in full; else DeepSpeed's data only."""
+        self.path, self.trust = path, trust
         states = [os.path.join(path, f) for f in MODEL_STATES if os.path.isfile(os.path.join(path, f))]
         states = states or sorted(glob.glob(os.path.join(path, "*model_states.pt")))
         if not states:
             raise LinsCheckpointError(f"load_checkpoint: {path} has no DeepSpeed *model_states.pt")
-        self.model_states = _load(states[0])
-        self.optimizer = _load(os.path.join(path, "zero", "optimizer_state.pt"))
+        self.model_states = _load(states[0], trust)
+        self.optimizer = _load(os.path.join(path, "zero", "optimizer_state.pt"), trust)
         self._cache: tuple = (None, None)
 
     def _tensor(self, name: str, what: str) -> Optional[torch.Tensor]:
@@ -74,7 +98,7 @@ class UniversalReader:
         f = os.path.join(self.path, "zero", name, f"{ADAM_STATE[what]}.pt")
         if not os.path.isfile(f):
             return None
-        t = _load(f)
+        t = _load(f, self.trust)
         t = (t["param"] if isinstance(t, dict) else t).detach().float().reshape(-1)
         self._cache = (key, t)
         return t
@@ -97,7 +121,7 @@ class UniversalReader:
             return None
         steps = glob.glob(os.path.join(self.path, "zero", "*", "step.pt"))
         if steps:
-            return _load(steps[0]).detach().reshape(()).clone()
+            return _load(steps[0], self.trust).detach().reshape(()).clone()
         state = (self.optimizer.get("optimizer_state_dict") or {}).get("state") or {}
         first = state.get(0) or next(iter(state.values()), {})
         return first["step"].detach().reshape(()).clone() if "step" in first else None

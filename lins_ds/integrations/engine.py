@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
+import warnings
 import weakref
 
 import torch
@@ -117,7 +118,7 @@ class LinsEngine(DeepSpeedEngine):
                 self._lins_tune_pending = True  # the candidates depend on the length: chosen at the first batch
             else:
                 plan, summary, cands, decision = self._tune_start(plan, summary)
-        check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested())
+        check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested(), self._settings())
         announce(summary + misaligned_note(self.module, gemm_dtype(self, param_dtype)))
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
@@ -149,13 +150,21 @@ class LinsEngine(DeepSpeedEngine):
         self._cap_allocator()
         param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
         plan, summary = forward_only_plan(self, self.lins_config, self.lins_topology, param_dtype)
-        agree_on_plan(plan)
+        agree_on_plan(plan, settings=self._settings())
         announce(summary)
         every = [p for p in self.module.parameters()]
         self.lins = LinsRuntime(self.module, plan, [{"params": every}], accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
                                 device=torch.device(self.device), forward_only=True, init=self.lins_config.init)
         self._lins_attach()
+
+    def _settings(self) -> dict:
+        """What every rank must train with, by the config key a user would fix."""
+        param, accum, reduce = self._lins_dtypes()
+        return {"train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu(),
+                "gradient_accumulation_steps": self.gradient_accumulation_steps(),
+                "bf16/fp16 (the parameter dtype)": param, "data_types.grad_accum_dtype": str(accum),
+                "lins.grad_reduce_dtype": str(reduce), "gradient_clipping": self.gradient_clipping()}
 
     def _cap_allocator(self) -> None:
         memory_guard.cap_allocator(self.lins_config.gpu_memory_gb, torch.device(self.device))
@@ -188,9 +197,12 @@ class LinsEngine(DeepSpeedEngine):
         key = tune.decision_key(ctx, cfg, launch_key(ctx.topo, torch.device(self.device)),
                                 type(self.basic_optimizer).__name__)
         path = tune.decision_path(key, tune.cache_dir(cfg)) if cfg.tune.cache else None
-        host = ctx.offload.host
-        cached = (tune.cached_plan(path, key, host.capacity_gb if host is not None else float("inf"))
-                  if path is not None and comm.rank() == 0 else None)
+        cached = None
+        if path is not None and comm.rank() == 0:
+            cached, why = tune.cached_plan(path, key, ctx)
+            if why:
+                warnings.warn(f"lins tune: the cached decision {path} is not used: {why}; tuning again",
+                              RuntimeWarning, stacklevel=2)
         cached = comm.broadcast_object(cached.to_json() if cached is not None else None)
         if cached is not None:
             return (Plan.from_json(cached), summary + f"\n  tune: the cached decision {path} (no trials): "

@@ -34,6 +34,7 @@ def obtain(topo: Topology, meshes, device: torch.device, *, quick: bool = True, 
         meta["gpu_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 2**30
     table = measure(topo, meshes, device, meta=meta, **params)
     if rank == 0:
-        cache.save(path, table)
-        log(f"lins profile: saved {path}")
+        failed = cache.save(path, table)
+        log(f"lins profile: saved {path}" if failed is None else
+            f"lins profile: warning: not cached ({failed}); lins.profile_cache names a writable directory")
     return ProfileTable.from_json(comm.broadcast_object(table.to_json() if rank == 0 else None), origin="rank 0")

@@ -17,7 +17,7 @@ import torch
 from .. import comm
 from ..plan import PlanError, ProfileTable, Topology
 
-KEY_FIELDS = ("world_size", "gpus_per_node", "nodes", "device", "backend", "backend_version", "torch")
+KEY_FIELDS = ("world_size", "gpus_per_node", "nodes", "device", "backend", "backend_version", "torch", "lins_ds")
 
 
 def default_dir() -> str:
@@ -32,8 +32,11 @@ def launch_key(topo: Topology, device: torch.device) -> dict:
         version = ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else torch.__version__
     else:
         name, version = "cpu", torch.__version__
+    from .. import __version__
+
     return {"world_size": topo.world_size, "gpus_per_node": topo.gpus_per_node, "nodes": topo.nodes,
-            "device": name, "backend": backend, "backend_version": version, "torch": torch.__version__}
+            "device": name, "backend": backend, "backend_version": version, "torch": torch.__version__,
+            "lins_ds": __version__}
 
 
 def cache_path(key: dict, directory: Optional[str] = None) -> str:
@@ -73,10 +76,25 @@ def load(path: str, key: dict, meshes, max_bytes: int) -> tuple:
     return table, "cache hit"
 
 
-def save(path: str, table: ProfileTable) -> None:
-    """Write atomically: a crash leaves the old file or none, never half a table."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+def save(path: str, table: ProfileTable) -> Optional[str]:
+    """Write atomically: a crash leaves the old file or none, never half a table. A directory that cannot be written
+    (a read-only home, a full disk) is not an error: the job goes on without the cache; returns why, or None."""
+    return write_json_atomically(path, table.to_json())
+
+
+def write_json_atomically(path: str, obj) -> Optional[str]:
+    """``obj`` as JSON at ``path`` (a temporary file renamed into place); on an OSError, the reason, nothing raised and
+    nothing left behind (the caller warns: a cache is an optimisation, never a reason to fail a job)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(table.to_json(), f, indent=1)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+        return None
+    except OSError as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        return f"{type(e).__name__}: {e}"

@@ -286,8 +286,9 @@ def obtain(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab
         found = _read(path, key)
         if found is None:
             found = probe(model, layers, micro_batch, seq_len, vocab, device).to_json()
-            _write(path, key, found)
-            log(f"lins memory profile: {found['source']}, saved {path}")
+            failed = _write(path, key, found)
+            log(f"lins memory profile: {found['source']}, " + (f"saved {path}" if failed is None else
+                f"warning: not cached ({failed}); lins.profile_cache names a writable directory"))
         else:
             log(f"lins memory profile: cache hit {path}")
     return ActivationProfile.from_json(comm.broadcast_object(found))
@@ -302,9 +303,8 @@ def _read(path: str, key: dict):
         return None
 
 
-def _write(path: str, key: dict, profile: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"key": key, "profile": profile}, f, indent=1)
-    os.replace(tmp, path)
+def _write(path: str, key: dict, profile: dict):
+    """The measurement cached; the reason it could not be (nothing raised), or None."""
+    from ..profiler.cache import write_json_atomically
+
+    return write_json_atomically(path, {"key": key, "profile": profile})

@@ -512,10 +512,12 @@ class HostUpdater:
             while not ev.wait(1.0):
                 if self._thread is None or not self._thread.is_alive():  # died outside _run's own handler
                     if not ev.is_set():
-                        raise RuntimeError(f"lins: the host update thread ended before updating unit {unit.name}")
+                        self._error = self._error or RuntimeError(f"the host update thread ended before updating "
+                                                                  f"unit {unit.name}")
+                        break
             self.waited_s += time.perf_counter() - t0
         if self._error is not None:
-            raise RuntimeError("lins: the host optimizer's update failed") from self._error
+            return  # raised on every rank at the next step boundary (``error``, agreed), never here on one alone
         up = getattr(unit, "host_upload_event", None)
         if up is not None:
             torch.cuda.current_stream(self.device).wait_event(up)
@@ -525,6 +527,14 @@ class HostUpdater:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def error(self) -> str:
+        """Why the last host update failed on this rank ('' if it did not): its units kept their old values, and the
+        caller makes every rank raise it (``LinsOptimizer.check_host``)."""
+        if self._error is None:
+            return ""
+        return f"lins: the host optimizer's update failed on rank {comm.rank()}: {type(self._error).__name__}: " \
+               f"{self._error}"
 
 
 def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: int = 1 << 24,

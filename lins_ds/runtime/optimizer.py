@@ -232,11 +232,22 @@ class LinsOptimizer(ZeROOptimizer):
         self.optimizer.state.clear()
         self.slices, self.update_batches, self.host = [], [], None
 
+    def check_host(self) -> None:
+        """The last host update finished on every rank, or every rank raises the failing rank's error (a failure on one
+        rank alone would leave the others waiting in a collective). Every rank calls it at the same point: the step,
+        a save, a re-layout."""
+        if self.host is None:
+            return
+        self.host.join()
+        error = comm.agree(self.host.error() or None)
+        if error is not None:
+            raise RuntimeError(error)
+
     def quiesce(self) -> None:
-        """Nothing in flight: host updates finished and every unit's P chunk current (before a re-layout or a
-        checkpoint reads the state)."""
+        """Nothing in flight: host updates finished (on every rank: ``check_host``) and every unit's P chunk current
+        (before a re-layout or a checkpoint reads the state)."""
         if self.host is not None:
-            self.host.join()
+            self.check_host()
         for unit in self.runtime.units:
             unit.wait_param_sync()
         self.runtime.wait()
@@ -301,8 +312,7 @@ class LinsOptimizer(ZeROOptimizer):
         """No host synchronisation except for fp16, whose overflow decides on the host whether to step."""
         rt = self.runtime
         rt.finish_gradients()  # the last step's host updates included
-        if self.host is not None:
-            self.host.join()
+        self.check_host()
         rt.check_collectives()
         inv_scale = 1.0 / (rt.topo.world_size * self.cur_scale)
         norm = self._grad_norm(inv_scale)

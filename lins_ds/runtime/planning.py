@@ -20,7 +20,7 @@ from .. import comm, dtypes
 from ..plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                     load_model, solve)
 from ..plan.offload import HostSpec, OffloadSpec, widened
-from ..plan.solver import Evaluation, NoFeasiblePlan, best_placement, evaluate, fewest_offloaded_placed
+from ..plan.solver import Evaluation, NoFeasiblePlan, _gib, best_placement, evaluate, fewest_offloaded_placed
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
 from ..plan.compute_model import ALIGN_BYTES
@@ -343,8 +343,8 @@ def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
     if spec.mode == "auto" and not e.fits_gpu:  # offload does not make this layout fit: none (the guard warns)
         e = context.evaluate(layout, k, 0)
     if e.memory.host_gb > e.host_capacity_gb:
-        raise LinsConfigError(f"lins.offload: the fixed plan's offloaded optimizer state needs {e.memory.host_gb:.2f} "
-                              f"GiB of host memory per rank, {e.host_capacity_gb:.2f} GiB available "
+        raise LinsConfigError(f"lins.offload: the fixed plan's offloaded optimizer state needs {_gib(e.memory.host_gb)} "
+                              f"GiB of host memory per rank, {_gib(e.host_capacity_gb)} GiB available "
                               "(lins.host_memory_gb / ranks per node)")
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
                                memory_profile=e.memory.activation_source, offload_units=e.offload_units,
@@ -475,16 +475,26 @@ def _fixed_summary(plan: Plan) -> str:
             f"{plan.layout}" + (f", {k} of {n} layer units checkpointed" if k else ""))
 
 
-def agree_on_plan(plan: Plan, check_collectives: bool = False) -> bool:
-    """Every rank must execute the same plan: compare digests, fail on every rank if they differ. Returns
-    whether any rank asked for the collective-order check (an environment variable may reach only some
-    ranks; the check is a collective, so all of them run it)."""
-    views = comm.all_gather_object((plan.digest(), check_collectives))
-    digests = [d for d, _ in views]
+def agree_on_plan(plan: Plan, check_collectives: bool = False, settings: Optional[dict] = None) -> bool:
+    """Every rank must execute the same plan, with the same batch settings (``settings``: config key -> value, e.g.
+    the micro-batch, the accumulation steps, the dtypes: a rank that accumulates over fewer micro-batches would reduce
+    at another time than the others and hang them): compared on every rank, and every rank fails, naming the key and
+    each rank's value, where they differ. Returns whether any rank asked for the collective-order check (an
+    environment variable may reach only some ranks; the check is a collective, so all of them run it)."""
+    views = comm.all_gather_object((plan.digest(), check_collectives, settings or {}))
+    for key in sorted(settings or {}):
+        values = [v.get(key) for _, _, v in views]
+        if len(set(map(repr, values))) != 1:
+            by_value: dict = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(repr(v), []).append(r)
+            raise LinsConfigError(f"{key}: the ranks differ ({'; '.join(f'{v} on ranks {rs}' for v, rs in by_value.items())}); "
+                                  "every rank must train with the same settings")
+    digests = [d for d, _, _ in views]
     if len(set(digests)) != 1:
         raise LinsConfigError(f"lins: ranks computed different plans (digests {digests}); "
                               "check that every rank sees the same config, model and profile")
-    return any(c for _, c in views)
+    return any(c for _, c, _ in views)
 
 
 def gemm_dtype(engine, param_dtype: str) -> torch.dtype:

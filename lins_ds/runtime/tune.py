@@ -101,16 +101,59 @@ def decision_path(key: dict, directory: str) -> str:
     return os.path.join(directory, f"tune-{digest}.json")
 
 
-def cached_plan(path: str, key: dict, host_capacity_gb: float = float("inf")) -> Optional[Plan]:
-    """The cached winner for ``key``, or None (no file, another key, unreadable, or more host memory than this
-    launch has: tune again)."""
+def _seal(key: dict, plan_json: dict) -> str:
+    """What a decision file records of itself: an edit of its key or plan shows as another seal."""
+    return hashlib.sha256(json.dumps({"key": key, "plan": plan_json}, sort_keys=True).encode()).hexdigest()
+
+
+def cached_plan(path: str, key: dict, context=None) -> tuple:
+    """(the cached winner for ``key``, or None; why it is not used, or "" where there is no file). A decision is
+    data, not an instruction: it is used only where its key is this job's (the launch and lins_ds versions included),
+    it is as written (its seal), and it is a plan this job may run (``invalid``). Rank 0 alone reads it: anything
+    wrong means tune again, never a raise."""
+    if not os.path.exists(path):
+        return None, ""
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
-        plan = Plan.from_json(obj["plan"]) if obj.get("key") == key else None
-        return plan if plan is not None and plan.host_gb <= host_capacity_gb else None
-    except Exception:  # noqa: BLE001 - rank 0 alone reads it: anything unreadable means tune again, never a raise
-        return None
+        if obj.get("key") != key:
+            return None, "its key is another job's"
+        if obj.get("seal") != _seal(obj["key"], obj["plan"]):
+            return None, "it was edited since it was written (its seal does not match)"
+        plan = Plan.from_json(obj["plan"])
+    except Exception as e:  # noqa: BLE001 - unreadable, truncated, a bad plan: tune again
+        return None, f"it is unreadable ({type(e).__name__}: {e})"
+    why = invalid(plan, context) if context is not None else ""
+    return (None, why) if why else (plan, "")
+
+
+def invalid(plan: Plan, context) -> str:
+    """Why ``plan`` is not one this job (``context``: its SolveContext) may run, or ''."""
+    from ..plan.topology import check_layout
+
+    train, model = context.train, context.model
+    if plan.topology != context.topo:
+        return f"it is for {plan.topology}, this job runs on {context.topo}"
+    try:
+        check_layout(plan.topology, plan.layout)
+    except Exception as e:  # noqa: BLE001 - a layout the rules refuse
+        return f"its layout {plan.layout} breaks the rules ({e})"
+    if (plan.param_dtype, plan.grad_dtype) != (train.param_dtype, train.grad_accum_dtype or train.param_dtype):
+        return f"its dtypes ({plan.param_dtype}, {plan.grad_dtype}) are not this job's"
+    if plan.num_layers != model.num_layers or not 0 <= plan.activation_checkpointing_units <= model.num_layers:
+        return f"it checkpoints {plan.activation_checkpointing_units} of {plan.num_layers} layers; the model has " \
+               f"{model.num_layers}"
+    units = len(model.unit_params())
+    if not 0 <= plan.offload_units <= units or (plan.offload_units and context.offload.mode == "off"):
+        return f"it offloads {plan.offload_units} of {units} units, which this job's offload does not allow"
+    place = (plan.offload_grads, plan.offload_params)
+    if plan.offload_units and place not in context.placements(plan.layout):
+        return f"its placement (gradients on the host {place[0]}, parameters {place[1]}) is not allowed for its layout"
+    e = context.evaluate(plan.layout, plan.activation_checkpointing_units, plan.offload_units,
+                         place if plan.offload_units else (False, False))
+    if not e.fits:
+        return "it does not fit this job's budget (GPU or host memory)"
+    return ""
 
 
 def _write_json(path: str, obj) -> None:
@@ -227,7 +270,8 @@ class Tuner:
         ranks are already on their way to the next collective)."""
         path, key = self.decision
         try:
-            _write_json(path, {"key": key, "plan": self.trials[win].plan.to_json(), "trials": self.report,
+            plan_json = self.trials[win].plan.to_json()
+            _write_json(path, {"key": key, "plan": plan_json, "seal": _seal(key, plan_json), "trials": self.report,
                                "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
             _append_runs(os.path.join(os.path.dirname(path), "tune-runs.jsonl"), key, self.report)
         except OSError as e:
