@@ -87,6 +87,8 @@ def failed_load(ckpt, damage):
         {"shard": lambda: _flip_byte(os.path.join(tag, "shard-00001.safetensors")),
          "extra": lambda: open(os.path.join(tag, "extra.pt"), "r+b").truncate(100),
          "meta": lambda: json.dump({"format": "lins_ds.checkpoint/1", "params": []}, open(os.path.join(tag, "meta.json"), "w")),
+         "scheduler": lambda: _rewrite_extra(tag, {"lr_scheduler": {"not": "this scheduler's"}, "loss_scaler": None,
+                                                   "client_state": {}}),
          }[damage]()
     torch.distributed.barrier()
     before = _state(engine)
@@ -98,8 +100,17 @@ def failed_load(ckpt, damage):
     return msg, same, losses
 
 
+def _rewrite_extra(tag: str, extra: dict) -> None:
+    """extra.pt replaced, its digest dropped (as a save before digests would have it): the content is the test."""
+    torch.save(extra, os.path.join(tag, "extra.pt"))
+    meta = json.load(open(os.path.join(tag, "meta.json")))
+    meta["digests"].pop("extra.pt")
+    json.dump(meta, open(os.path.join(tag, "meta.json"), "w"))
+
+
 @pytest.mark.parametrize("damage,named", [("shard", "shard-00001.safetensors is corrupted"),
-                                          ("extra", "extra.pt is"), ("meta", "meta.json is malformed")])
+                                          ("extra", "extra.pt is"), ("meta", "meta.json is malformed"),
+                                          ("scheduler", "the LR scheduler's saved state does not fit")])
 def test_a_failed_load_leaves_every_rank_exactly_as_it_was(tmp_path, damage, named):
     for msg, same, _ in run(failed_load, 2, str(tmp_path / "ckpt"), damage, gpus_per_node=2):
         assert named in msg, msg
@@ -162,6 +173,40 @@ def test_a_resave_killed_at_every_instant_leaves_a_copy_load_finds(tmp_path):
             break
         point += 1
     assert point > 4  # the marker, the old copy aside, the new one in place, the old removed, `latest`
+
+
+def second_kill(tmp):
+    """A re-save killed after setting the old copy aside (``ck.old`` and a finished ``ck.incomplete``, no ``ck``), then
+    the next save of ``ck`` killed while it clears that ``ck.incomplete`` away: a whole copy is still found."""
+    from lins_ds.checkpoint import save as save_module
+
+    engine = make_engine(REPLICATED, 1)
+    steps(engine, 0, 1)
+    engine.save_checkpoint(tmp, tag="ck")
+    shutil.copytree(os.path.join(tmp, "ck"), os.path.join(tmp, "ck.incomplete"))
+    os.replace(os.path.join(tmp, "ck"), os.path.join(tmp, "ck.old"))
+    real = save_module.shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # one file removed, then the process dies
+        os.remove(os.path.join(path, "shard-00000.safetensors"))
+        raise Killed()
+
+    save_module.shutil.rmtree = killed_midway
+    try:
+        engine.save_checkpoint(tmp, tag="ck")
+    except Killed:
+        pass
+    finally:
+        save_module.shutil.rmtree = real
+    engine.destroy()
+    fresh = make_engine(REPLICATED, 1)
+    path, _ = fresh.load_checkpoint(tmp)
+    fresh.destroy()
+    return path
+
+
+def test_two_interrupted_saves_still_leave_a_copy_load_finds(tmp_path):
+    assert run(second_kill, 1, str(tmp_path))[0].endswith("ck.old")
 
 
 # --- 4. no code runs from a crafted checkpoint -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from .. import dtypes
 from .formats import LINS, LinsCheckpointError, identify, locate, save_file, verify_digest
-from .layout_free import DIGESTS
+from .layout_free import digests_of
 from .load import ShardReader, _read, read_meta
 
 
@@ -19,7 +19,7 @@ def full_state_dict(path: str, dtype: torch.dtype, exclude_frozen: bool = False)
     """Every parameter (aliases of tied weights once) and persistent buffer, whole, in ``dtype``; frozen parameters
     left out with ``exclude_frozen``, or where the save left them out (``exclude_frozen_parameters``)."""
     meta = read_meta(path)
-    digests = meta.get(DIGESTS)
+    digests = digests_of(meta)
     reader = ShardReader(path, meta["index"], digests, "consolidate")
     frozen = _read(lambda p: (verify_digest(p, digests, "consolidate"), load_file(p))[1],
                    os.path.join(path, "frozen.safetensors"))

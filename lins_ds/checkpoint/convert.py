@@ -11,7 +11,7 @@ import torch
 from . import universal
 from .consolidate import checkpoint_path
 from .formats import LinsCheckpointError, load_pickle, verify_digest
-from .layout_free import DIGESTS
+from .layout_free import digests_of
 from .load import ShardReader, _read, read_meta
 
 def _parameters(path: str, meta: dict, reader: ShardReader):
@@ -36,7 +36,7 @@ def to_universal(ckpt_dir: str, out_dir: str, tag=None, trust_pickle: bool = Fal
     if unknown:
         raise LinsCheckpointError(f"convert: {path} holds {meta['optimizer']} state {sorted(unknown)}; DeepSpeed's "
                                   "universal checkpoint carries Adam's (exp_avg, exp_avg_sq)")
-    digests = meta.get(DIGESTS)
+    digests = digests_of(meta)
     reader = ShardReader(path, meta["index"], digests, "convert")
     step = reader.scalar(0, "step")
     extra = _read(lambda p: (verify_digest(p, digests, "convert"), load_pickle(p, trust_pickle))[1],

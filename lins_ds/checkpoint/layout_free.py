@@ -26,7 +26,13 @@ LATEST = "latest"
 INCOMPLETE = ".incomplete"
 OLD = ".old"  # an existing tag while a re-save of it is put in place
 SAVING = "SAVING"  # the marker of a save in progress, inside "<tag>.incomplete"
-DIGESTS = "digests"  # meta.json: file name -> SHA-256 hex of its bytes
+DIGESTS = "digests"  # meta.json: file name -> its digest (``formats.file_digest``)
+DIGEST_SCHEME = "sha256-of-64MiB-block-sha256s"  # meta.json's "digest_scheme": how those were computed
+
+
+def digests_of(meta: dict):
+    """The file digests a checkpoint's meta.json records, where computed as this lins_ds computes them, else None."""
+    return meta.get(DIGESTS) if meta.get("digest_scheme") == DIGEST_SCHEME else None
 
 
 def checked_tag(tag, where: str) -> str:

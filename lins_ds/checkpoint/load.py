@@ -9,6 +9,7 @@ of them raise the first error any rank saw, naming the file, before any of them 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from .. import comm
 from ..runtime.unit import param_shape
 from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, load_pickle, locate, verify_digest
-from .layout_free import DIGESTS, FORMAT, META, overlaps, range_key
+from .layout_free import DIGESTS, FORMAT, META, digests_of, overlaps, range_key
 from .universal import UniversalReader, convert
 
 ADAM_FAMILY = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}  # what a DeepSpeed universal checkpoint's state fits
@@ -80,6 +81,24 @@ class ShardReader:
                                       f"[{a}, {b}) of {name}")
         return True
 
+    def check(self, name: str, a: int, b: int, what: str) -> bool:
+        """What ``fill`` needs is there (its files whole by their digests, every element of [a, b) stored), read no
+        further; False if the checkpoint lacks ``what``."""
+        covered = 0
+        for fname, sa, sb in overlaps(self.index, name, a, b):
+            f = self._open(fname)
+            key = range_key(name, sa, sb, what)
+            if key not in f.keys():
+                return False
+            if f.get_slice(key).get_shape() != [sb - sa]:
+                raise LinsCheckpointError(f"load_checkpoint: {self.path}/{fname}: {key} holds "
+                                          f"{f.get_slice(key).get_shape()} elements, its index says {sb - sa}")
+            covered += min(b, sb) - max(a, sa)
+        if covered != b - a:
+            raise LinsCheckpointError(f"load_checkpoint: {self.path} holds {covered} of the {b - a} elements "
+                                      f"[{a}, {b}) of {name}")
+        return True
+
     def scalar(self, group: int, key: str):
         for fname in self.index:
             f = self._open(fname)
@@ -91,7 +110,7 @@ class ShardReader:
 class LinsCheckpoint:
     def __init__(self, path: str):
         self.path, self.meta = path, read_meta(path)
-        self.reader = ShardReader(path, self.meta["index"], self.meta.get(DIGESTS))
+        self.reader = ShardReader(path, self.meta["index"], digests_of(self.meta))
         self.elementwise, self.scalars = self.meta["elementwise_state"], self.meta["scalar_state"]
         self.param_groups = self.meta["param_groups"]
 
@@ -104,7 +123,7 @@ class LinsCheckpoint:
 
     def rest(self, trust_pickle: bool = False) -> dict:
         """Frozen parameters and buffers, LR scheduler, loss scaler, counters, client_state."""
-        digests = self.meta.get(DIGESTS)
+        digests = digests_of(self.meta)
         frozen = _read(lambda p: (verify_digest(p, digests), load_file(p))[1],
                        os.path.join(self.path, "frozen.safetensors"))
         extra = _read(lambda p: (verify_digest(p, digests), load_pickle(p, trust_pickle))[1],
@@ -223,79 +242,92 @@ def opened(found: Found, trust: bool = False):
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _stage_optimizer(engine, ckpt, with_state: bool) -> list:
-    """This rank's master slices (and their optimizer state) as the checkpoint has them, read into new tensors on
-    the host: [(slice, master, {state key: tensor or scalar})]. Nothing of the engine is touched."""
+def _check_optimizer(engine, ckpt, with_state: bool) -> None:
+    """Everything this rank's slices will read is in the checkpoint (its files whole, every range and key there):
+    checked before anything is written, without a second copy of the state in memory."""
+    reader = ckpt.reader
+    for sl in engine.optimizer.slices:
+        for name, (a, b), _ in sl.range.by_parameter():
+            if not reader.check(name, a, b, "master"):
+                raise LinsCheckpointError(f"load_checkpoint: {ckpt.path} lacks the master weights of {name}")
+            for k in ckpt.elementwise if with_state else ():
+                if not reader.check(name, a, b, k):
+                    raise LinsCheckpointError(f"load_checkpoint: {ckpt.path} lacks {k} of {name}; pass "
+                                              "load_optimizer_states=False")
+
+
+def _fill_optimizer(engine, ckpt, with_state: bool) -> None:
+    """This rank's master slices (and their optimizer state) from the checkpoint, in place (all of it checked)."""
     opt, reader = engine.optimizer, ckpt.reader
-    out = []
     for gi, group in enumerate(opt.param_groups):
         for sl in [s for s in opt.slices if any(s.param is p for p in group["params"])]:
-            master = torch.empty(sl.param.shape, dtype=torch.float32)
-            state = {k: torch.zeros(sl.param.shape, dtype=sl.param.dtype) for k in ckpt.elementwise} if with_state else {}
+            state = {k: torch.zeros_like(sl.param.data) for k in ckpt.elementwise} if with_state else {}
             for name, (a, b), (s, e) in sl.range.by_parameter():
-                reader.fill(master[s:e], name, a, b, "master")
+                reader.fill(sl.param.data[s:e], name, a, b, "master")
                 for k, t in state.items():
                     reader.fill(t[s:e], name, a, b, k)
             for k in ckpt.scalars if with_state else ():
                 v = reader.scalar(gi, k)
                 if v is not None:
                     state[k] = v  # scalar state (Adam's step) lives on the CPU unless the optimizer is capturable
-            out.append((sl, master, state))
-    return out
-
-
-def _apply_optimizer(engine, staged: list, with_state: bool) -> None:
-    """The staged masters (and state) into this rank's slices (a copy to the device: nothing left to fail)."""
-    opt = engine.optimizer
-    for sl, master, state in staged:
-        sl.param.data.copy_(master)
-        if with_state:
-            opt.state[sl.param] = {k: v.to(sl.param.device) if torch.is_tensor(v) and v.dim() else v
-                                   for k, v in state.items()}
-        sl.write_back()
+            if with_state:
+                opt.state[sl.param] = state
+            sl.write_back()
 
 
 def _check_rest(engine, ckpt, rest: dict, with_state: bool, load_lr_scheduler_states: bool, load_module_only: bool):
-    """What the apply step would refuse, refused now (before any rank changes anything)."""
+    """What the apply step would refuse, refused now (before any rank changes anything). The LR scheduler takes the
+    saved state on trial and is put back as it was."""
     if with_state and ckpt.param_groups and ckpt.kind_strict:
         _restore_group_hyperparameters([dict(g) for g in engine.optimizer.param_groups], ckpt.param_groups, True)
-    if load_module_only or not load_lr_scheduler_states or engine.lr_scheduler is None:
+    sched, saved = engine.lr_scheduler, rest["lr_scheduler"]
+    if load_module_only or not load_lr_scheduler_states or sched is None or saved is None:
         return
-    sched = rest["lr_scheduler"]
-    if sched is not None and not isinstance(sched, dict):
-        raise LinsCheckpointError(f"load_checkpoint: {ckpt.path}: the LR scheduler's state is a "
-                                  f"{type(sched).__name__}, not a state dict")
+    before = copy.deepcopy(sched.state_dict())
+    try:
+        sched.load_state_dict(copy.deepcopy(saved))
+    except Exception as e:  # noqa: BLE001 - a state this scheduler cannot take: named, and nothing changed
+        raise LinsCheckpointError(f"load_checkpoint: {ckpt.path}: the LR scheduler's saved state does not fit "
+                                  f"{type(sched).__name__} ({type(e).__name__}: {e}); pass "
+                                  "load_lr_scheduler_states=False") from None
+    finally:
+        sched.load_state_dict(before)
 
 
 @torch.no_grad()
 def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False, trust_pickle: bool = False):
-    """All or nothing: every rank reads, checks and stages all it needs (masters, optimizer state, frozen tensors,
-    scheduler, loss scaler, counters, client_state) before any rank changes its engine; an error on any rank is every
-    rank's, raised with each engine exactly as it was."""
+    """All or nothing: every rank checks everything it will read (each file against its digest, every range and key
+    of its slices) and reads the rest (frozen tensors, scheduler, loss scaler, counters, client_state) before any rank
+    changes its engine; an error on any rank is every rank's, raised with each engine exactly as it was. Host updates
+    still running are joined first (their outcome does not matter: the checkpoint replaces what they write)."""
     found = agreed(lambda: locate(load_dir, tag))
     if found is None:
         return None, None
     with_state = load_optimizer_states and not load_module_only
+    opt = engine.optimizer
+    if opt.host is not None:
+        opt.host.join()
     with opened(found, trust_pickle) as ckpt:
         ckpt.kind_strict = found.kind == LINS
         agreed(lambda: ckpt.check(engine, load_module_strict, with_state))
-        engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
 
-        def stage():
+        def check():
             rest = ckpt.rest(trust_pickle)
             _check_rest(engine, ckpt, rest, with_state, load_lr_scheduler_states, load_module_only)
-            return _stage_optimizer(engine, ckpt, with_state), rest
+            _check_optimizer(engine, ckpt, with_state)
+            return rest
 
-        staged, rest = agreed(stage)
-    # from here on every rank has everything: nothing is read, nothing can be missing
-    _apply_optimizer(engine, staged, with_state)
+        rest = agreed(check)
+        engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
+        if opt.host is not None:
+            opt.host.clear_error()  # what a failed host update left, the checkpoint replaces
+        agreed(lambda: _fill_optimizer(engine, ckpt, with_state))  # checked: a failure here is the disk's
     if with_state and ckpt.param_groups:
-        _restore_group_hyperparameters(engine.optimizer.param_groups, ckpt.param_groups, found.kind == LINS)
+        _restore_group_hyperparameters(opt.param_groups, ckpt.param_groups, found.kind == LINS)
     engine.lins.sync_parameters()
     _copy_into(engine.module, rest["tensors"])
     if not load_module_only:
-        opt = engine.optimizer
         if load_lr_scheduler_states and engine.lr_scheduler is not None and rest["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(rest["lr_scheduler"])
         if opt.loss_scaler is not None and rest["loss_scaler"]:

@@ -13,7 +13,7 @@ from .. import comm
 from ..runtime.unit import param_shape
 from .zero_to_fp32 import write_script
 from .formats import LinsCheckpointError, file_digest, save_file
-from .layout_free import DIGESTS, FORMAT, INCOMPLETE, LATEST, META, OLD, SAVING, checked_tag, range_key
+from .layout_free import DIGEST_SCHEME, DIGESTS, FORMAT, INCOMPLETE, LATEST, META, OLD, SAVING, checked_tag, range_key
 
 __all__ = ["LinsCheckpointError", "save"]
 
@@ -119,8 +119,8 @@ def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_fr
         if os.path.exists(os.path.join(tmp, fname)):
             digests[fname] = file_digest(os.path.join(tmp, fname))
     with open(os.path.join(tmp, META), "w") as f:
-        json.dump(_json_safe({**_meta(engine, index, ew, sc), "frozen_excluded": exclude_frozen, DIGESTS: digests}),
-                  f, indent=1)
+        json.dump(_json_safe({**_meta(engine, index, ew, sc), "frozen_excluded": exclude_frozen, DIGESTS: digests,
+                              "digest_scheme": DIGEST_SCHEME}), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -135,6 +135,7 @@ def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
+    _sync_dir(save_dir)  # the new copy's name on disk before the old copy goes
     shutil.rmtree(old, ignore_errors=True)
     write_script(save_dir)  # DeepSpeed's zero_to_fp32.py, for a Lins checkpoint
     if save_latest:
@@ -158,12 +159,31 @@ def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool =
 
 
 def _start(save_dir: str, tmp: str, tag: str) -> None:
-    """A fresh ``<tag>.incomplete`` with the in-progress marker first (a killed save is recognised by it)."""
+    """A fresh ``<tag>.incomplete`` with the in-progress marker first (a killed save is recognised by it). What an
+    earlier killed save left there is renamed away first, atomically, then removed: a removal killed half-way never
+    leaves a ``<tag>.incomplete`` that looks finished."""
     os.makedirs(save_dir, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
+    if os.path.exists(tmp):
+        trash = f"{tmp}.trash-{os.getpid()}"
+        os.replace(tmp, trash)
+        shutil.rmtree(trash, ignore_errors=True)
     os.makedirs(tmp)
     with open(os.path.join(tmp, SAVING), "w") as f:
         f.write(f"a Lins save of tag {tag} in progress; complete saves are renamed to {tag}\n")
+
+
+def _sync_dir(path: str) -> None:
+    """The directory's entries (renames) on disk, where the file system lets a directory be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _agreed(fn):

@@ -106,6 +106,16 @@ class UniversalReader:
     def has(self, name: str) -> bool:
         return os.path.isdir(os.path.join(self.path, "zero", name))
 
+    def check(self, name: str, a: int, b: int, what: str) -> bool:
+        """``fill`` will find [a, b) of ``name``'s ``what`` (read: a universal file holds the whole parameter)."""
+        t = self._tensor(name, what)
+        if t is None:
+            return False
+        if t.numel() < b:
+            raise LinsCheckpointError(f"load_checkpoint: {self.path}: zero/{name}/{ADAM_STATE[what]}.pt holds "
+                                      f"{t.numel()} elements, fewer than {b}")
+        return True
+
     def fill(self, dest: torch.Tensor, name: str, a: int, b: int, what: str) -> bool:
         t = self._tensor(name, what)
         if t is None:

@@ -528,6 +528,10 @@ class HostUpdater:
             self._thread.join()
             self._thread = None
 
+    def clear_error(self) -> None:
+        """A checkpoint load replaces what the failed update left: training may go on."""
+        self._error = None
+
     def error(self) -> str:
         """Why the last host update failed on this rank ('' if it did not): its units kept their old values, and the
         caller makes every rank raise it (``LinsOptimizer.check_host``)."""

@@ -236,18 +236,18 @@ class LinsOptimizer(ZeROOptimizer):
         """The last host update finished on every rank, or every rank raises the failing rank's error (a failure on one
         rank alone would leave the others waiting in a collective). Every rank calls it at the same point: the step,
         a save, a re-layout."""
-        if self.host is None:
-            return
-        self.host.join()
-        error = comm.agree(self.host.error() or None)
+        if not self.runtime.host_units:  # the plan's, the same on every rank (a rank whose part of them is only
+            return                       # padding holds no updater, and still agrees)
+        if self.host is not None:
+            self.host.join()
+        error = comm.agree((self.host.error() if self.host is not None else "") or None)
         if error is not None:
             raise RuntimeError(error)
 
     def quiesce(self) -> None:
         """Nothing in flight: host updates finished (on every rank: ``check_host``) and every unit's P chunk current
         (before a re-layout or a checkpoint reads the state)."""
-        if self.host is not None:
-            self.check_host()
+        self.check_host()
         for unit in self.runtime.units:
             unit.wait_param_sync()
         self.runtime.wait()

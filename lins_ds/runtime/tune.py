@@ -123,7 +123,10 @@ def cached_plan(path: str, key: dict, context=None) -> tuple:
         plan = Plan.from_json(obj["plan"])
     except Exception as e:  # noqa: BLE001 - unreadable, truncated, a bad plan: tune again
         return None, f"it is unreadable ({type(e).__name__}: {e})"
-    why = invalid(plan, context) if context is not None else ""
+    try:
+        why = invalid(plan, context) if context is not None else ""
+    except Exception as e:  # noqa: BLE001 - rank 0 alone: a plan the job's rules cannot even price, tune again
+        why = f"it is not a plan this job can run ({type(e).__name__}: {e})"
     return (None, why) if why else (plan, "")
 
 
