@@ -62,6 +62,7 @@ from lins_ds.plan import (ComputeSpec, Layout, MemorySpec, ModelSpec, PlanError,
                           load_model)
 import warnings
 
+from .fit import nnls
 from .simulate import FETCH_SYSTEMS, SYSTEMS, Overheads, StepTerms, system_terms
 from lins_ds.plan.compute_model import ComputeTable, in_training_factor
 
@@ -280,30 +281,6 @@ def _update_factor(coef: dict, system: str) -> Optional[float]:
     own = _update_column(system, "shape")
     other = "update:deepspeed" if own == "update:lins" else "update:lins"
     return coef.get(own, coef.get(other, coef.get("update")))
-
-
-def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Non-negative least squares (Lawson and Hanson's active set), columns scaled to unit norm."""
-    norms = np.linalg.norm(a, axis=0)
-    norms[norms == 0] = 1.0
-    a = a / norms
-    n = a.shape[1]
-    x, passive = np.zeros(n), np.zeros(n, bool)
-    for _ in range(3 * n):
-        w = a.T @ (b - a @ x)
-        if passive.all() or np.max(np.where(passive, -np.inf, w)) <= 1e-12:
-            break
-        passive[np.argmax(np.where(passive, -np.inf, w))] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if z[passive].min() > 0:
-                x = z
-                break
-            neg = passive & (z <= 0)
-            x = x + np.min(x[neg] / np.maximum(x[neg] - z[neg], 1e-300)) * (z - x)
-            passive &= x > 1e-15
-    return x / norms
 
 
 def host_of(run: Run, tables: dict) -> Optional[float]:

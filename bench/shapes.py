@@ -36,7 +36,7 @@ from lins_ds.plan import ComputeSpec, TrainingSpec, load_model
 from lins_ds.plan.compute_model import ComputeTable, in_training_factor, step_compute
 from lins_ds.plan.solver import optimizer_seconds
 
-from .calibrate import nnls
+from .fit import nnls
 from .simulate import DEFAULT_TERMS, StepTerms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import lins_ds_autoload as _hook
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 _hook.explicit = _hook.explicit or not _hook.importing  # the program's own import, not the hook's
 
 

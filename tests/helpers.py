@@ -273,3 +273,16 @@ def make_ckpt_engine(plan, gpus_per_node):
     world = torch.distributed.get_world_size()
     engine, *_ = deepspeed.initialize(model=tiny_llama(), config=ckpt_config(plan, world, gpus_per_node))
     return engine
+
+
+def brute_force_candidates(topo):
+    """The test oracle for ``lins_ds.plan.topology.candidates``: all (a|L, b|M)^3 triples filtered by ``is_valid``."""
+    import itertools
+
+    from lins_ds.plan.topology import Factor, Layout, divisors, is_valid
+
+    all_factors = [Factor(a, b) for a in divisors(topo.gpus_per_node) for b in divisors(topo.nodes)]
+    for p, g, os_ in itertools.product(all_factors, repeat=3):
+        layout = Layout(p, g, os_)
+        if is_valid(topo, layout):
+            yield layout

@@ -4,6 +4,7 @@ cross between the placements, bad values are named, a ZeRO-Offload config is rea
 planner offloads only what a GPU budget needs."""
 
 import math
+import time
 from itertools import pairwise
 
 import pytest
@@ -134,6 +135,16 @@ def test_host_gradients_reduced_in_another_dtype_follow_the_same_trajectory():
         assert max_err(z[-1], z[0]) > 1e-4
 
 
+def late_host_sums(host_grads_cls, delay_s=0.03) -> None:
+    """This process's host gradient sums start ``delay_s`` late each (a slow host)."""
+    real = host_grads_cls._add
+
+    def late(self, *item):
+        time.sleep(delay_s)
+        return real(self, *item)
+    host_grads_cls._add = late
+
+
 def slow_gradient_sums(gas):
     """Three micro-batches a window with the host's gradient sums running late: a micro-batch's gradient must not
     land in the down buffer before the thread has added the one before it."""
@@ -141,7 +152,7 @@ def slow_gradient_sums(gas):
 
     from lins_ds.runtime.offload import HostGrads
 
-    HostGrads.test_delay_s = 0.03
+    late_host_sums(HostGrads)
     out = []
     rank = torch.distributed.get_rank()
     for offload in (False, CPU_G):
@@ -163,6 +174,31 @@ def slow_gradient_sums(gas):
 def test_late_gradient_sums_lose_no_micro_batch():
     for (base, base_host), (now, host) in run(slow_gradient_sums, WORLD, 3, gpus_per_node=GPUS_PER_NODE):
         assert host and not base_host
+        for a, b in zip(now, base):
+            assert max_err(a, b) <= 1e-6, max_err(a, b)
+
+
+def unclipped_late_sums_without_the_norm():
+    """Clipping off, the host's gradient sums running late, and a norm that does not wait for them (what a step that
+    skipped the norm would do): the host update must still read every micro-batch's gradient."""
+    import deepspeed
+
+    from lins_ds.runtime.offload import HostGrads
+
+    late_host_sums(HostGrads)
+    HostGrads.square_sum = lambda self: 0.0  # the norm no longer drains the queue
+    out = []
+    for offload in (False, CPU_G):
+        model = tiny_llama()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)), config=config(
+            {"plan": ZERO2, "offload": offload, "host_optimizer": "torch"}, gradient_clipping=0.0))
+        out.append(train(engine, steps=2, after_step=state))
+        engine.destroy()
+    return out
+
+
+def test_host_updates_read_final_gradients_without_clipping_or_the_norm():
+    for base, now in run(unclipped_late_sums_without_the_norm, WORLD, gpus_per_node=GPUS_PER_NODE):
         for a, b in zip(now, base):
             assert max_err(a, b) <= 1e-6, max_err(a, b)
 

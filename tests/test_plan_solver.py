@@ -5,7 +5,7 @@ import pytest
 from lins_ds.plan import (BUILTIN_MODELS, ComputeSpec, MemorySpec, ModelSpec, NoFeasiblePlan, Plan,
                           Topology, TrainingSpec, candidates, check_layout, get_cluster, solve)
 from lins_ds.plan import cost
-from lins_ds.plan.topology import brute_force_candidates
+from helpers import brute_force_candidates
 
 
 def _table(topo, cluster="a800-ib"):

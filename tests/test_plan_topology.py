@@ -5,7 +5,8 @@ import pytest
 
 from lins_ds.plan import Factor, Layout, PlanError, Topology, candidates, check_layout
 from lins_ds.plan.layout import GROUP_KINDS, all_groups, chunks, group_mesh
-from lins_ds.plan.topology import brute_force_candidates, state_factors
+from helpers import brute_force_candidates
+from lins_ds.plan.topology import state_factors
 
 SMALL = [Topology(m, l) for m in (1, 2, 3, 4, 6) for l in (1, 2, 3, 4, 6, 8)]
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 from deepspeed.utils import logger
 
-from .layout_free import INCOMPLETE, LATEST, META, OLD, SAVING, checked_tag
+from .layout_free import INCOMPLETE, LATEST, META, OLD, SAVING, LinsCheckpointError, checked_tag  # noqa: F401
 
 LINS, DEEPSPEED, UNIVERSAL = "lins", "deepspeed", "deepspeed-universal"
 LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer to a universal checkpoint
@@ -120,10 +120,6 @@ def load_pickle(path: str, trust: bool):
             "code the checkpoint chose. Set \"lins\": {\"checkpoint_pickle\": true} to load checkpoints you "
             "trust (lins-ds convert: --checkpoint-pickle), or save client_state as tensors, numbers, strings, "
             "lists and dicts") from None
-
-
-class LinsCheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read as asked; the previous checkpoint and `latest` stay as they were."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,11 @@ from __future__ import annotations
 
 import os
 
+
+class LinsCheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read as asked; the previous checkpoint and `latest` stay as they were."""
+
+
 FORMAT = "lins_ds.checkpoint/1"
 META = "meta.json"
 LATEST = "latest"
@@ -39,8 +44,6 @@ def checked_tag(tag, where: str) -> str:
     """``tag`` as a directory name inside the checkpoint directory, or LinsCheckpointError naming ``where`` it came
     from: no separator, no "." or "..", not absolute, not empty (a tag, or a ``latest`` file, must never lead a save
     or a load outside the checkpoint directory)."""
-    from .formats import LinsCheckpointError
-
     tag = str(tag)
     bad = (not tag or tag in (".", "..") or "/" in tag or "\\" in tag or (os.sep in tag) or "\x00" in tag
            or os.path.isabs(tag))

@@ -8,9 +8,7 @@ and every factor that crosses nodes first fills the node (inter > 1 implies intr
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from typing import Iterator
 
 STATES = ("p", "g", "os")
 
@@ -143,12 +141,3 @@ def candidates(topo: Topology) -> list[Layout]:
         for g in gs:
             out.extend(Layout(p, g, os) for os in fs if g.divides(os))
     return sorted(out)
-
-
-def brute_force_candidates(topo: Topology) -> Iterator[Layout]:
-    """All (a|L, b|M)^3 triples filtered by ``is_valid``; the reference ``candidates`` is tested against."""
-    all_factors = [Factor(a, b) for a in divisors(topo.gpus_per_node) for b in divisors(topo.nodes)]
-    for p, g, os in itertools.product(all_factors, repeat=3):
-        layout = Layout(p, g, os)
-        if is_valid(topo, layout):
-            yield layout

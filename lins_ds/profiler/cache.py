@@ -32,7 +32,7 @@ def launch_key(topo: Topology, device: torch.device) -> dict:
         version = ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else torch.__version__
     else:
         name, version = "cpu", torch.__version__
-    from .. import __version__
+    from ..version import __version__
 
     return {"world_size": topo.world_size, "gpus_per_node": topo.gpus_per_node, "nodes": topo.nodes,
             "device": name, "backend": backend, "backend_version": version, "torch": torch.__version__,

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import comm
 from ..plan import Layout, Topology
-from .config import LinsConfigError
+from .errors import LinsConfigError
 from .unit import ChunkSpec, Slot, Unit
 
 

@@ -12,14 +12,11 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
-from ..plan import Factor, Layout, PlanError, STATES, Topology, check_layout
+from ..plan import Factor, Layout, STATES, Topology, check_layout
 from ..plan.clusters import CLUSTERS
 from ..plan.solver import OBJECTIVES
 from ..plan.spec import DTYPES
-
-
-class LinsConfigError(PlanError):
-    """A bad ``lins`` block: raised on every rank before any process group exists."""
+from .errors import LinsConfigError  # noqa: F401  (its home; importable from here as before)
 
 
 # --- rules: each takes (key, value) and returns the parsed value or raises LinsConfigError ------------------

@@ -31,7 +31,7 @@ import torch
 
 from .. import comm
 from ..plan.offload import HostSpec
-from .config import LinsConfigError
+from .errors import LinsConfigError
 
 HOST_PIECE = 1 << 25  # elements per host master tensor (128 MiB in fp32): few enough calls that the worker rarely
 # waits for the GIL, small enough that the first update starts soon and memory-bound temporaries stay small
@@ -258,37 +258,38 @@ class HostGrads:
         op = None if direct else ("copy" if first else "add")
         self._queue.put((unit, ev, op, self.ends_window))
 
-    test_delay_s = 0.0  # tests: the thread starts each item this late (a slow host)
-
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:  # close()
                 self._queue.task_done()
                 return
-            unit, ev, op, last = item
+            unit, _, op, _ = item
             try:
-                if self.test_delay_s:
-                    time.sleep(self.test_delay_s)
                 if self._error is None:
-                    if ev is not None:
-                        ev.synchronize()
-                    acc = self.acc[unit]
-                    with torch.no_grad():
-                        if op == "copy":
-                            acc.copy_(self._down[unit])
-                        elif op == "add":
-                            acc.add_(self._down[unit])
-                    if last:
-                        self._sq[unit] = square_sum(acc, self._scratch)
-                    else:
-                        self._sq.pop(unit, None)
+                    self._add(*item)
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by square_sum()
                 self._error = e
             finally:
                 if op is not None:  # it read the down buffer: the next push may write it
                     self._free[unit].set()
                 self._queue.task_done()
+
+    def _add(self, unit, ev, op: Optional[str], last: bool) -> None:
+        """One pushed gradient into ``unit``'s accumulator (``op``: "copy", "add", or None where it came down
+        straight into it), once its copy (``ev``) is done; on the window's last backward, the accumulator's norm."""
+        if ev is not None:
+            ev.synchronize()
+        acc = self.acc[unit]
+        with torch.no_grad():
+            if op == "copy":
+                acc.copy_(self._down[unit])
+            elif op == "add":
+                acc.add_(self._down[unit])
+        if last:
+            self._sq[unit] = square_sum(acc, self._scratch)
+        else:
+            self._sq.pop(unit, None)
 
     def square_sum(self) -> float:
         """At the step: every push of the window added up, and the squared norm of every host accumulator (a
@@ -307,6 +308,14 @@ class HostGrads:
                 self._sq[unit] = square_sum(acc, self._scratch)
             total += self._sq[unit]
         return total
+
+    def drain(self) -> None:
+        """Every gradient pushed so far added into its accumulator: from here until the next backward pushes, the
+        accumulators are final (what a host update reads). The step calls it before any host update starts."""
+        self._wait(self._queue.join)
+
+    def drained(self) -> bool:
+        return self._queue.unfinished_tasks == 0
 
     def forget_norms(self) -> None:
         """An accumulator was written from outside (``safe_set_full_grad``): its norm is taken again at the step."""
@@ -441,7 +450,10 @@ class HostUpdater:
                 coef_ready = torch.cuda.Event()
                 coef_ready.record(cs)
             for unit, slices in self.by_unit:
-                if unit.host_grads is not None:  # its gradient is on the host already
+                if unit.host_grads is not None:  # its gradient is on the host already: final once drained
+                    if not unit.host_grads.drained():
+                        raise RuntimeError(f"lins: the host update of unit {unit.name} would read its gradient "
+                                           "before the host has added every micro-batch's (HostGrads.drain() first)")
                     events.append(coef_ready)
                     continue
                 for s in slices:

@@ -18,7 +18,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
 from .. import comm
-from .config import LinsConfigError
+from .errors import LinsConfigError
 from .offload import HOST_PIECE, HostOptimizer, HostUpdater, host_empty
 
 def _known_elementwise() -> tuple:
@@ -325,6 +325,8 @@ class LinsOptimizer(ZeROOptimizer):
         coef = torch.full((), inv_scale, dtype=torch.float32, device=rt.device)
         if self.clip > 0:
             coef = coef * (self.clip / (norm + 1e-6)).clamp(max=1.0)
+        if rt.host_grads is not None:  # the host update reads the G accumulators on the host: every micro-batch's
+            rt.host_grads.drain()      # gradient added first (the norm above drains too, but need not)
         downloads = self.host.download(coef) if self.host is not None else None  # host units' gradients leave
         for batch in self.update_batches:
             self._update(batch, coef)

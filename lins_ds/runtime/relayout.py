@@ -26,12 +26,9 @@ from .. import comm
 from ..plan import Plan
 from ..plan.layout import Layout
 from ..plan.tune import label
+from .errors import RelayoutError  # noqa: F401  (raised here; importable from here as before)
 from .optimizer import scalar_state
 from .unit import ChunkSpec
-
-
-class RelayoutError(RuntimeError):
-    """Building the new plan failed on some rank; every rank is back on the old plan, its state intact."""
 
 
 @dataclass

@@ -39,7 +39,7 @@ from torch import nn
 from .. import comm
 from ..plan import Layout, Topology
 from ..plan.layout import chunks
-from .config import LinsConfigError
+from .errors import LinsConfigError, UnitStateError
 
 ALIGN = 64  # elements; keeps every chunk 128-byte aligned in 16-bit dtypes
 
@@ -64,10 +64,6 @@ class GradState(enum.Enum):
     REDUCED = "reduced"  # this backward's gradient is in the G accumulator
     REPLICA_REDUCING = "replica-reducing"  # the window's G chunk is being all-reduced over its replicas
     FINAL = "final"  # the window's gradient, summed over every rank, is in the G accumulator
-
-
-class UnitStateError(RuntimeError):
-    """A transition asked of a unit in a state it does not start from: a bug in who drives the unit."""
 
 
 @dataclass(frozen=True)
@@ -337,7 +333,8 @@ class Unit:
         """Wait for the host optimizer's update of this unit (its P chunk then current on this device's stream;
         the P-sync, where there is one, is the caller's)."""
         self._expect(self.param_state, (ParamState.UPDATING,), "finish_host_update")
-        self._host.wait(self)  # raises if the update failed: the unit stays UPDATING, never silently stale
+        self._host.wait(self)  # a failed update does not raise here, on one rank: every rank raises it at the next
+        # step boundary (LinsOptimizer.check_host), before the stale P chunk is updated again or saved
         self._host, self.param_state = None, self._at_rest
 
     def wait_param_sync(self) -> None:
@@ -541,7 +538,12 @@ class Unit:
         self.grad_state = GradState.ACCUMULATING
 
     def wait_all(self) -> None:
-        """Complete every collective of this unit still in flight; issues none."""
+        """Complete every collective of this unit still in flight; issues none. A host update still running is
+        waited for: its P-sync is a local copy, since only layouts without a P-sync collective (s_os == s_p, a P-sync
+        group of one) let an update outlive ``step()`` (``plan.offload.hides_behind_forward``)."""
+        if self.param_state is ParamState.UPDATING and self.groups.size("p_sync") > 1:
+            raise UnitStateError(f"unit {self.name}: wait_all on a host update whose P-sync is a collective (group of "
+                                 f"{self.groups.size('p_sync')}): step() runs those, in unit order")
         self.wait_param_sync()
         if self.param_state is ParamState.GATHERING:
             self.wait_gather()

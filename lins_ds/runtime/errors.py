@@ -1,0 +1,18 @@
+"""The runtime's errors, in one module that imports nothing of the runtime: the step machinery, offload and the
+optimizer raise them without importing the config parser, relayout or the unit for a class."""
+
+from __future__ import annotations
+
+from ..plan import PlanError
+
+
+class LinsConfigError(PlanError):
+    """A bad ``lins`` block: raised on every rank before any process group exists."""
+
+
+class UnitStateError(RuntimeError):
+    """A transition asked of a unit in a state it does not start from: a bug in who drives the unit."""
+
+
+class RelayoutError(RuntimeError):
+    """Building the new plan failed on some rank; every rank is back on the old plan, its state intact."""
