@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--read-after-step", action="store_true", help="after every step read every parameter as an EMA "
                    "does (model.parameters(), at once), then after engine.lins.wait(), and record both sums; a "
                    "partitioned parameter is read inside GatheredParameters, one at a time")
+    p.add_argument("--plain", action="store_true", help="no engine: a plain PyTorch loop (bench/plain.py) with the "
+                   "config's batch, accumulation, clipping and AdamW; one process, a config without a lins block")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1)
@@ -154,6 +156,9 @@ def build_engine(args, ds_config: dict, device: torch.device):
     """The model built the way its mode wants (ZeRO-3 and Lins: sharded as it is built), then the engine."""
     import deepspeed
 
+    if args.plain and ("lins" in ds_config or (ds_config.get("zero_optimization") or {}).get("stage", 0)):
+        raise SystemExit(f"--plain: {args.deepspeed_config} has a lins block or a ZeRO stage; the plain loop takes a "
+                         "config without either (ds_configs/zero0.json)")
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with model_init_context(ds_config, device):
@@ -163,6 +168,10 @@ def build_engine(args, ds_config: dict, device: torch.device):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.plain:
+        from .plain import PlainLoop
+
+        return PlainLoop(model, ds_config, device), model, time.perf_counter() - t0
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine, model, time.perf_counter() - t0
 
@@ -190,7 +199,7 @@ def train(args, engine, model, device) -> tuple:
                         args.seed + rank, device)
     gas = engine.gradient_accumulation_steps()
     losses, times, ends, breakdown, tracer, memory = [], [], [], [], trace(args, rank, cuda), Memory(cuda)
-    reads = []
+    reads, host_steps = [], []
     memory.mark("after deepspeed.initialize")
     for step in range(args.steps):
         if tracer is not None and step == args.warmup_steps:
@@ -225,15 +234,17 @@ def train(args, engine, model, device) -> tuple:
         times.append(time.perf_counter() - t0)
         ends.append(time.time())
         losses.append(total.item() / world)
+        host_steps.append(host_step(engine, host_steps))
         if rank == 0:
-            print(f"step {step + 1:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms", flush=True)
+            print(f"step {step + 1:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms"
+                  + (f"  host waited {host_steps[-1]['waited_s']:.3f} s" if host_steps[-1] else ""), flush=True)
         if tracer is not None and step == args.warmup_steps + 1:
             tracer.__exit__(None, None, None)
             write_trace_summary(tracer, args.trace_summary, cuda)
             tracer = None
     timed = breakdown[args.warmup_steps:] or breakdown
     medians = {k: statistics.median(b[k] for b in timed) for k in timed[0]} if timed and timed[0] else None
-    train.reads = reads
+    train.reads, train.host_steps = reads, host_steps
     return losses, (times, ends), memory.phases, medians
 
 
@@ -301,6 +312,18 @@ def write_trace_summary(prof, path: str, cuda: bool) -> None:
             f.write("\n\nBy the host's own time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30))
 
 
+def host_step(engine, before: list):
+    """Lins with offload, after a step: what the training thread waited for the host in it (updates and gradient
+    sums), and the worker's last finished update (seconds waiting for the gradients, updating, uploading)."""
+    host = getattr(getattr(engine, "optimizer", None), "host", None)
+    if host is None or getattr(engine, "lins", None) is None:
+        return None
+    grads = engine.lins.host_grads
+    waited = host.waited_s + (grads.waited_s if grads is not None else 0.0)
+    so_far = sum(s["waited_s"] for s in before if s)
+    return {"waited_s": waited - so_far, "worker_s": host.last_update_s, "worker_spent_s": dict(host.last_spent_s)}
+
+
 def offload_summary(engine, steps: int):
     """Lins with offload: host memory held, and per step the host worker's time and what the forward waited."""
     host = getattr(getattr(engine, "optimizer", None), "host", None)
@@ -341,6 +364,7 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
         "offload": offload_summary(engine, len(times)),
         "tune": getattr(engine, "lins_tune_report", None),  # "plan": "tune": every candidate, predicted and measured
         "reads_after_step": getattr(train, "reads", None) or None,  # --read-after-step
+        "host_steps": getattr(train, "host_steps", None) if any(getattr(train, "host_steps", None) or []) else None,
         "planned_seq_len": lins_seq(engine),
     }
 

@@ -599,3 +599,19 @@ def test_parameters_on_the_host_lower_the_floor_again():
     for lay in candidates(topo):
         ok = lay.g.size == 4 and lay.p.size == lay.os.size
         assert spec.placements(lay, 4) == ([(True, True)] if ok else []), lay
+
+
+def test_a_torch_adam_left_open_steps_device_masters_with_the_fused_kernel():
+    """On a GPU, torch's Adam/AdamW with neither ``foreach`` nor ``fused`` given takes the fused kernel; a choice
+    the user made is kept, and nothing changes on the CPU or for other optimizers."""
+    from lins_ds.runtime.optimizer import prefer_fused_kernel
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    open_adamw = torch.optim.AdamW(p, lr=1e-3)
+    assert prefer_fused_kernel(open_adamw, cuda) and open_adamw.param_groups[0]["fused"] is True
+    assert open_adamw.defaults["fused"] is True
+    pinned = torch.optim.AdamW(p, lr=1e-3, foreach=True)
+    assert not prefer_fused_kernel(pinned, cuda) and pinned.param_groups[0]["fused"] is None
+    assert not prefer_fused_kernel(torch.optim.Adam(p, lr=1e-3), cpu)
+    assert not prefer_fused_kernel(torch.optim.SGD(p, lr=1e-3), cuda)

@@ -194,7 +194,7 @@ def tune_config(tmp: str, seq_len=SEQ, **tune) -> dict:
     """``seq_len`` None: the batches say it, and the trials start at the first (``test_tuning_waits_for_...``)."""
     return {"plan": "tune", "profile": f"{tmp}/profile.json", "profile_cache": f"{tmp}/cache",
             "activation_checkpointing": False, "host_optimizer": "torch", "seq_len": seq_len,
-            "tune": {"candidates": CANDIDATES, "steps": 2, **tune}}
+            "tune": {"candidates": CANDIDATES, "steps": 2, "max_steps": 2, **tune}}
 
 
 def tuned_run(tmp: str, steps: int = TUNE_STEPS, seq_len=SEQ) -> dict:
@@ -361,9 +361,68 @@ def test_neighbours_vary_the_checkpointing_depth_and_the_offload_and_never_offer
 
 
 def test_the_fastest_within_the_budget_wins():
-    assert choose.fastest([(2.0, 10.0), (1.0, 50.0), (1.5, None)], 40.0) == 2
+    assert choose.fastest([([2.0], 10.0), ([1.0], 50.0), ([1.5], None)], 40.0) == 2
     assert choose.fastest([(None, 1.0), (None, None)], 40.0) is None
-    assert choose.fastest([(2.0, None), (1.0, None)], None) == 1
+    assert choose.fastest([([2.0], None), ([1.0], None)], None) == 1
+    assert choose.fastest([([2.0], 99.0), ([1.9], None)], 40.0, precision=0.5) == 1  # the solver's dropped
+
+
+def test_the_median_interval_is_the_binomial_order_statistics():
+    assert choose.median_interval([1.0] * 5) is None  # 5 times cannot hold the median at 95 %
+    assert choose.median_interval([5, 1, 3, 2, 6, 4]) == (1, 3.5, 6)  # 96.9 %: the extremes
+    assert choose.median_interval(list(range(9))) == (1, 4, 7)  # 96.1 %: one in from each end
+    assert choose.median_interval(list(range(11))) == (1, 5, 9)
+    assert choose.median_interval(list(range(20))) == (5, 9.5, 14)  # 95.9 %
+    one_slow = [1.0, 1.01, 0.99, 1.0, 1.02, 5.0, 1.0, 0.98, 1.01]  # a slow step moves the interval by one rank
+    assert choose.settled(one_slow, 0.03) and not choose.settled(one_slow[:6], 0.03)
+
+
+def test_the_solver_pick_stays_unless_the_gain_is_more_than_the_noise():
+    solver = [1.00, 1.02, 0.98, 1.01, 0.99, 1.00, 1.03]
+    within_noise = [0.985, 0.99, 0.97, 1.0, 0.98, 0.99, 0.975]  # median 1.5 % faster, intervals overlap
+    clearly = [0.90, 0.91, 0.92, 0.90, 0.91, 0.90, 0.92]
+    assert choose.fastest([(solver, None), (within_noise, None)], None, 0.03) == 0
+    assert choose.fastest([(solver, None), (within_noise, None), (clearly, None)], None, 0.03) == 2
+    assert choose.fastest([([1.0, 1.0], None), ([0.98, 0.98], None)], None, 0.03) == 0  # too few: by precision
+    assert choose.fastest([([1.0, 1.0], None), ([0.9, 0.9], None)], None, 0.03) == 1
+
+
+def timed_until_settled(tmp: str) -> dict:
+    """Each rank's clock says its own step times: rank 1's first steps of every candidate are noisy, rank 0's
+    steady. The tuner must time each candidate on the slowest rank's times until their median is known to 3 %,
+    and every rank must switch at the same step."""
+    from lins_ds.runtime import tune
+
+    rank = torch.distributed.get_rank()
+    noisy = [1.5, 0.7, 1.4, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    clock = {"t": 0.0, "trial": None, "i": 0, "engine": None}
+
+    def fake_clock(device):
+        tuner = getattr(clock["engine"], "lins_tuner", None)
+        trial = tuner.current if tuner is not None else None
+        if trial != clock["trial"]:
+            clock["trial"], clock["i"] = trial, 0
+        step = noisy[clock["i"] % len(noisy)] if rank == 1 else 1.0
+        clock["i"] += 1
+        clock["t"] += step * (1.0 + 0.1 * (trial or 0))  # candidate k takes 1 + 0.1 k s a step
+        return clock["t"]
+
+    tune._clock = fake_clock
+    engine = clock["engine"] = _engine(tune_config(tmp, candidates=2, max_steps=12))
+    _steps(engine, 0, 20)
+    out = {"report": [(r["step_times_s"], r["chosen"]) for r in engine.lins_tune_report]}
+    engine.destroy()
+    return out
+
+
+def test_a_candidate_is_timed_until_its_median_is_known_on_every_rank_alike(tmp_path):
+    tmp = str(tmp_path)
+    slow_all_reduce_profile(f"{tmp}/profile.json")
+    results = run(timed_until_settled, 2, tmp, gpus_per_node=1, timeout=300)
+    assert results[0]["report"] == results[1]["report"], "every rank times and decides alike"
+    (t0, c0), (t1, c1) = results[0]["report"]
+    assert len(t0) > 6 and choose.settled(t0, 0.03) and not choose.settled(t0[:-1], 0.03), t0  # rank 1's noise
+    assert c0 and not c1, results[0]["report"]  # 10 % slower: the solver's plan stays
 
 
 @pytest.mark.parametrize("block, error", [
@@ -371,6 +430,8 @@ def test_the_fastest_within_the_budget_wins():
     ({"plan": "tune", "tune": {"candidates": 0}}, "lins.tune.candidates: 0 is not an integer >= 1"),
     ({"plan": "tune", "tune": {"cache": "yes"}}, "lins.tune.cache: 'yes' is not true or false"),
     ({"plan": "tune", "tune": {"trials": 3}}, "lins.tune.trials: unknown key"),
+    ({"plan": "tune", "tune": {"precision": 1.5}}, "lins.tune.precision: 1.5 is not a number >= 0 and < 1"),
+    ({"plan": "tune", "tune": {"steps": 4, "max_steps": 3}}, "lins.tune.max_steps: 3 is not an integer >= lins.tune"),
     ({"plan": "tunes"}, "lins.plan: 'tunes' is not \"solve\", \"tune\""),
 ])
 def test_bad_tune_settings_are_named(block, error):

@@ -136,7 +136,7 @@ class LinsEngine(DeepSpeedEngine):
 
     def _start_tuner(self, cands: list, decision) -> None:
         ctx = self._lins_solve
-        self.lins_tuner = tune.Tuner(self, cands, self.lins_config.tune.steps,
+        self.lins_tuner = tune.Tuner(self, cands, self.lins_config.tune,
                                      ctx.mem.capacity_gb - ctx.mem.reserved_gb, decision)
 
     def _configure_bf16_optimizer(self, optimizer):

@@ -116,9 +116,55 @@ def candidates(fitting: list, near: list, count: int, world_size: int,
     return out[:count]
 
 
-def fastest(measured: list, budget_gb: Optional[float]) -> Optional[int]:
-    """Index of the fastest measured candidate within the budget: ``measured`` is [(step s or None, peak GiB or
-    None)]; None when no candidate was measured within it."""
-    ok = [(t, i) for i, (t, peak) in enumerate(measured)
-          if t is not None and (budget_gb is None or peak is None or peak <= budget_gb)]
-    return min(ok)[1] if ok else None
+CONFIDENCE = 0.95  # of the interval around a candidate's median step time
+
+
+def median_interval(times: list, confidence: float = CONFIDENCE) -> Optional[tuple]:
+    """(low, median, high): the median of ``times`` and a distribution-free interval that holds the true median
+    with at least ``confidence`` — the order statistics x(k) and x(n+1-k) for the largest k whose binomial tail
+    P(Binomial(n, 1/2) < k) is at most (1 - confidence) / 2 (no assumption on how step times are spread; one slow
+    step moves it by one rank, not by its size). None with too few times for that confidence (6 for 95 %)."""
+    xs, n = sorted(times), len(times)
+    tail, k, p = 0.0, 0, 0.5 ** n
+    for i in range(n + 1):  # tail = P(B <= i - 1) as i grows; k = the largest i with P(B < i) <= alpha / 2
+        if tail > (1 - confidence) / 2:
+            break
+        k = i
+        tail += p
+        p = p * (n - i) / (i + 1)
+    if k < 1:
+        return None
+    mid = xs[(n - 1) // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return xs[k - 1], mid, xs[n - k]
+
+
+def settled(times: list, precision: float) -> bool:
+    """Whether the median step time is known to ``precision``: its interval within +-precision of it."""
+    iv = median_interval(times)
+    return iv is not None and iv[2] - iv[1] <= precision * iv[1] and iv[1] - iv[0] <= precision * iv[1]
+
+
+def fastest(measured: list, budget_gb: Optional[float], precision: float = 0.0) -> Optional[int]:
+    """Index of the candidate to keep: ``measured`` is [(step times or None, peak GiB or None)], the first the
+    solver's best. The fastest median within the budget, but the solver's best stays unless the gain is more than
+    the noise: the other's whole interval below the solver's (or, without intervals, faster by more than
+    ``precision``). None when no candidate was measured within the budget."""
+    stats = [None if t is None or not t or (budget_gb is not None and peak is not None and peak > budget_gb)
+             else (median_interval(t) or (None, _median(t), None)) for t, peak in measured]
+    ok = [(s[1], i) for i, s in enumerate(stats) if s is not None]
+    if not ok:
+        return None
+    best = min(ok)[1]
+    first = stats[0]
+    if best == 0 or first is None:
+        return best
+    lo0, mid0, _ = first
+    _, mid, hi = stats[best]
+    if lo0 is not None and hi is not None:
+        return best if hi < lo0 else 0
+    return best if mid < mid0 * (1 - precision) else 0
+
+
+def _median(xs: list) -> float:
+    xs, n = sorted(xs), len(xs)
+    return xs[(n - 1) // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2

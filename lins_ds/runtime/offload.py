@@ -421,6 +421,7 @@ class HostUpdater:
         self._done: dict = {}
         self._error: Optional[BaseException] = None
         self.last_update_s = 0.0  # the worker's wall time in the last step (host updates and copies)
+        self.last_spent_s: dict = {}  # ... of it waiting for the gradients, updating, launching the uploads
         self.waited_s = 0.0  # how long the main thread has blocked on host updates, in total (exposed host work)
 
     def units(self) -> list:
@@ -481,22 +482,27 @@ class HostUpdater:
 
     def _run(self, events: list, hyper: list) -> None:
         t0 = time.perf_counter()
+        spent = dict.fromkeys(("download", "update", "upload"), 0.0)  # the worker's time by what it waited on
         try:
             ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
             with ctx, torch.no_grad():
                 for (unit, slices), ev in zip(self.by_unit, events):
+                    t = time.perf_counter()
                     if ev is not None:
                         ev.synchronize()
                     coef = float(self.coef[0])
+                    t, spent["download"] = time.perf_counter(), spent["download"] + time.perf_counter() - t
                     for s in slices:
                         self._update(s, coef, hyper)
+                    t, spent["update"] = time.perf_counter(), spent["update"] + time.perf_counter() - t
                     self._upload(unit, slices)
+                    spent["upload"] += time.perf_counter() - t
                     self._done[id(unit)].set()
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by wait()
             self._error = e
             for ev in self._done.values():
                 ev.set()
-        self.last_update_s = time.perf_counter() - t0
+        self.last_update_s, self.last_spent_s = time.perf_counter() - t0, spent
         sys.setswitchinterval(self._interval)
 
     def _update(self, s: HostSlice, coef: float, hyper: list) -> None:

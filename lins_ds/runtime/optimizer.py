@@ -89,6 +89,24 @@ def steps_per_parameter(optimizer) -> bool:
     return type(optimizer).__module__.startswith("torch.optim")
 
 
+def prefer_fused_kernel(optimizer, device: torch.device) -> bool:
+    """A torch Adam or AdamW whose implementation the user left open (``foreach`` and ``fused`` unset) steps the
+    device's fp32 master slices with torch's fused kernel: one pass over the state instead of the multi-tensor
+    path's several (docs/design.md §8). The same update as DeepSpeed's default FusedAdam; rounding may differ in the
+    last bit from the multi-tensor path. Set ``"foreach": true`` in the optimizer's params to keep that path.
+    Whether the groups were switched."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or device.type != "cuda":
+        return False
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable")
+           or g.get("capturable") for g in groups):
+        return False
+    for g in groups:
+        g["fused"] = True
+    optimizer.defaults["fused"] = True
+    return True
+
+
 class MasterSlice:
     """The master tensor of one ``OSRange`` (a param group's part of one unit's OS chunk on this rank); in host
     memory (pinned where the device is a GPU) for a unit whose OS is offloaded."""
@@ -159,6 +177,7 @@ class LinsOptimizer(ZeROOptimizer):
         self.overflow = False
         self._global_grad_norm = None
         self.host_optimizer_kind = host_optimizer  # "torch" or "deepspeed": what updates the units on the host
+        self.fused_kernel = prefer_fused_kernel(basic, runtime.device)
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -283,11 +302,14 @@ class LinsOptimizer(ZeROOptimizer):
         self.runtime.attach_grads()
 
     def host_gb(self) -> float:
-        """Host memory the offloaded units' state holds on this rank (0 without offload); waits for the host
-        updates in flight (their optimizer state may not exist yet)."""
+        """Host memory the offloaded units' state holds on this rank (0 without offload). The host updates in flight
+        are waited for only while an update has yet to make its optimizer state (the first): a later step's are not
+        (the memory guard asks during training, where a wait would expose a whole host update)."""
         if self.host is None:
             return 0.0
-        self.host.join()
+        state = self.optimizer.state
+        if not all(state.get(s.param) for s in self.slices if s.on_host):
+            self.host.join()
         grads, units = self.runtime.host_grads, self.runtime.units
         params = sum(u.p_shard.nbytes for u in units if u.host_params is not None)  # the P chunks on the host
         return (self.host.nbytes() + (grads.nbytes() if grads is not None else 0) + params) / 2**30

@@ -1,10 +1,12 @@
 """``"plan": "tune"``: time the solver's best candidates on the first training steps, keep the fastest
 (docs/design.md §14).
 
-Training starts on the solver's best plan. After ``lins.tune.steps`` optimizer steps on a candidate (the first one,
-with its allocations, not timed) the engine re-lays itself in memory onto the next candidate
-(``lins_ds.runtime.relayout``) and goes on training; once each has been timed it moves to the fastest measured
-candidate whose measured peak stayed within the budget, prints the table, and caches the decision, so the next
+Training starts on the solver's best plan. Once a candidate's step time is known — at least ``lins.tune.steps``
+optimizer steps (the first one, with its allocations, not timed), and more until the median's 95 % interval is within
++-``lins.tune.precision`` of it, ``lins.tune.max_steps`` at most — the engine re-lays itself in memory onto the next
+candidate (``lins_ds.runtime.relayout``) and goes on training; once each has been timed it moves to the fastest
+measured candidate whose measured peak stayed within the budget — away from the solver's best only when the gain is
+more than the noise (``lins_ds.plan.tune.fastest``) — prints the table, and caches the decision, so the next
 launch of the same job starts on the winner with no trials. Every trial step is a real training step: the
 trajectory is the one an untuned run on any of the plans follows (they are the same numbers, docs/design.md §3).
 Every decision is taken on numbers all ranks agree on (the slowest rank's time, the largest peak).
@@ -29,7 +31,12 @@ from .. import comm
 from ..plan import Plan
 from ..plan import tune as choose
 from ..plan.solver import fewest_offloaded, plan_of
-from .relayout import RelayoutError
+from .errors import RelayoutError
+
+
+def _interval(times: list) -> Optional[list]:
+    iv = choose.median_interval(times) if times else None
+    return None if iv is None else [iv[0], iv[2]]
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Trial:
         return {"candidate": self.candidate.label, "kind": self.candidate.kind, "why": self.candidate.why,
                 "plan": self.plan.to_json(), "predicted_step_s": self.candidate.predicted_step_s,
                 "measured_step_s": self.measured_s, "step_times_s": self.times,
+                "interval_s": _interval(self.times),
                 "predicted_peak_gb": e.memory.allocated_gb, "measured_peak_gb": self.peak_gb,
                 "relayout_s": self.relayout_s, "relayout_extra_gb": self.relayout_extra_gb,
                 "dropped": self.dropped, "chosen": chosen}
@@ -200,9 +208,11 @@ def _clock(device: torch.device) -> float:
 class Tuner:
     """Drives the trials from ``LinsEngine.step`` (``after_step``, every rank, after each optimizer step)."""
 
-    def __init__(self, engine, cands: list, steps: int, budget_gb: Optional[float], decision: Optional[tuple]):
+    def __init__(self, engine, cands: list, spec, budget_gb: Optional[float], decision: Optional[tuple]):
+        """``spec``: lins.tune (steps, precision, max_steps)."""
         ctx = engine._lins_solve
-        self.engine, self.steps, self.budget_gb, self.decision = engine, steps, budget_gb, decision
+        self.engine, self.budget_gb, self.decision = engine, budget_gb, decision
+        self.steps, self.precision, self.max_steps = spec.steps, spec.precision, spec.max_steps
         self.trials = [Trial(c, plan_of(c.evaluation, ctx.topo, ctx.model, ctx.train, ctx.table)) for c in cands]
         self.trials[0].plan = engine.lins.plan  # the plan training started on (the solver's best)
         self.current = 0  # the trial whose plan the engine runs now
@@ -215,10 +225,11 @@ class Tuner:
         """Count and time this optimizer step; switch or decide when a trial is done. True once tuning is over."""
         now = _clock(self.device)
         trial = self.trials[self.current]
-        if trial.steps > 0:
-            trial.times.append(now - self._last)
+        if trial.steps > 0:  # the slowest rank's time of this step: every rank holds the same times, and so takes
+            trial.times.append(comm.max_over_world(now - self._last, self.device))  # the same decisions below
         trial.steps += 1
-        if trial.steps < self.steps:
+        if trial.steps < self.steps or (trial.steps < self.max_steps
+                                        and not choose.settled(trial.times, self.precision)):
             self._last = now
             return False
         self._finish(trial)
@@ -231,9 +242,9 @@ class Tuner:
         return True
 
     def _finish(self, trial: Trial) -> None:
-        """The slowest rank's median step and the largest peak; over budget drops it (on every rank alike)."""
-        mine = statistics.median(trial.times)
-        trial.measured_s = comm.max_over_world(mine, self.device)
+        """The median step (of the slowest rank's step times) and the largest peak; over budget drops it (on every
+        rank alike)."""
+        trial.measured_s = statistics.median(trial.times)
         peak = measured_peak_gb(self.device)
         peak = comm.max_over_world(-1.0 if peak is None else peak, self.device)
         trial.peak_gb = None if peak < 0 else peak
@@ -256,8 +267,8 @@ class Tuner:
         return True
 
     def _decide(self) -> None:
-        measured = [(None if t.dropped else t.measured_s, t.peak_gb) for t in self.trials]
-        win = choose.fastest(measured, self.budget_gb)
+        measured = [(None if t.dropped else t.times, t.peak_gb) for t in self.trials]
+        win = choose.fastest(measured, self.budget_gb, self.precision)
         if win is not None and win != self.current and not self._switch(win, trial_move=False):
             win = self.current if not self.trials[self.current].dropped else None
         self.report = [t.row(i == win) for i, t in enumerate(self.trials)]
@@ -300,10 +311,14 @@ def table(rows: list, budget_gb: Optional[float]) -> str:
            f" {'switch s':>8}  result"]
     for i, r in enumerate(rows):
         meas = "-" if r["measured_step_s"] is None else f"{r['measured_step_s']:.3f}"
+        iv = r.get("interval_s")
+        spread = "" if iv is None or not r["measured_step_s"] else \
+            f" +-{100 * max(iv[1] - r['measured_step_s'], r['measured_step_s'] - iv[0]) / r['measured_step_s']:.1f}%"
         sw = "-" if r["relayout_s"] is None else f"{r['relayout_s']:.2f}"
         res = "chosen" if r["chosen"] else (f"dropped: {r['dropped']}" if r["dropped"] else "")
         out.append(f"  {i:>2} {r['candidate']:<44} {r['why']:<22} {r['predicted_step_s']:>7.3f} {meas:>7} "
-                   f"{gb(r['predicted_peak_gb']):>8} {gb(r['measured_peak_gb']):>8} {sw:>8}  {res}")
+                   f"{gb(r['predicted_peak_gb']):>8} {gb(r['measured_peak_gb']):>8} {sw:>8}  {res}"
+                   + (f" (n={len(r['step_times_s'])}{spread})" if r["step_times_s"] else ""))
     if not any(r["chosen"] for r in rows):
         out.append("  no candidate was measured within the budget: training goes on on the last plan")
     return "\n".join(out)
