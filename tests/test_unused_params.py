@@ -327,6 +327,92 @@ def test_two_nodes_of_two_match_ddp_under_every_plan():
     check_fp32(run(compare, 4, list(MODELS), PLANS_2x2, SETTINGS, gpus_per_node=2)[0])
 
 
+# --- DeepSpeed's default clipping -----------------------------------------------------------------------------
+# A config without "gradient_clipping" clips the global norm at DeepSpeed's default (1.0): torch DDP compared without
+# clipping leaves every DeepSpeed engine, stage 0 included, from the second AdamW update (the first is scale-free).
+# Lins keeps DeepSpeed's meaning, so the reference for a config without the key is DDP with clip_grad_norm_(1.0).
+def ddp_single_group(clip):
+    """The rank-fixed model under torch DDP (find_unused_parameters=True), one AdamW group, gas 1."""
+    rank = torch.distributed.get_rank()
+    model = build("rank-fixed")
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = ddp(*rank_fixed_batch(step, 0, rank))
+        loss.backward()
+        if clip:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(loss.item()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def engine_single_group(plan, optimizer: str, clip, stage: int = 0):
+    """The same under DeepSpeed's engine: ``plan`` None is DeepSpeed's ``stage``; ``optimizer`` "config" (the
+    config's block with torch_adam) or "client"; ``clip`` None leaves "gradient_clipping" out of the config.
+    Returns (losses, the start-up note on clipping, weights)."""
+    import deepspeed
+    from lins_ds.integrations import ds_compat
+
+    rank = torch.distributed.get_rank()
+    model = build("rank-fixed")
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+           "zero_optimization": {"stage": stage}}
+    if clip is not None:
+        cfg["gradient_clipping"] = clip
+    if plan is not None:
+        cfg["lins"] = {"plan": plan, "gpus_per_node": 2}
+    kwargs = {"optimizer": torch.optim.AdamW(model.parameters(), lr=LR)}
+    if optimizer == "config":
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}
+        kwargs = {"model_parameters": model.parameters()}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
+    note = ds_compat.clipping_note(engine)
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*rank_fixed_batch(step, 0, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(mean_over_ranks(loss.item()))
+    weights = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
+    engine.destroy()
+    return losses, note, weights
+
+
+def default_clipping(plans: dict):
+    """{run: (largest loss error against its DDP reference, start-up note)}; the references' gap as "ddp"."""
+    (plain, _), (clipped, _) = ddp_single_group(0.0), ddp_single_group(1.0)
+    out = {"ddp": (max(abs(a - b) for a, b in zip(plain, clipped)), "")}
+    runs = [(label, plan, source, clip) for label, plan in plans.items()
+            for source, clip in (("config", None), ("client", None), ("client", 0.0))]
+    for label, plan, source, clip in runs:
+        losses, note, _ = engine_single_group(plan, source, clip)
+        ref = clipped if clip is None else plain
+        out[f"{label}/{source}/clip={clip}"] = (max(abs(a - b) for a, b in zip(losses, ref)), note)
+    return out
+
+
+def check_default_clipping(result: dict) -> None:
+    gap, _ = result.pop("ddp")
+    assert gap > 1e-3  # the two references differ: the test tells the meanings apart
+    for key, (err, note) in result.items():
+        assert err <= RANK_FIXED_LOSS_TOL, (key, err)
+        if key.endswith("clip=None"):
+            assert "gradient clipping: global norm 1, DeepSpeed's default" in note, (key, note)
+        else:
+            assert note == "", (key, note)
+
+
+def test_without_gradient_clipping_in_the_config_every_plan_matches_ddp_clipped_at_deepspeeds_default():
+    check_default_clipping(run(default_clipping, 2, {"stage 0": None, **PLANS_1x2}, gpus_per_node=2)[0])
+
+
+def test_without_gradient_clipping_in_the_config_two_nodes_match_ddp_clipped_at_deepspeeds_default():
+    check_default_clipping(run(default_clipping, 4, {"2d-inter-node": TWO_D}, gpus_per_node=2)[0])
+
+
 # --- bf16, fp16 -------------------------------------------------------------------------------------------
 def compare_low_precision(name, dtype, plans, gas, clip):
     """Each run's largest weight error against fp32 DDP: Lins and DDP in ``dtype`` (fp32 master weights)."""

@@ -11,6 +11,7 @@ installed DeepSpeed.
 from __future__ import annotations
 
 import deepspeed
+from deepspeed.runtime.constants import GRADIENT_CLIPPING
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 SUPPORTED = ">=0.19.6,<0.20"  # what CI tests: 0.19.6 (the last with MiCS) and the newest 0.19.x
@@ -75,3 +76,15 @@ def finish_optimizer_setup(engine) -> None:
     for method, attribute in OPTIONAL_ENGINE_SETUP.items():
         if hasattr(engine, method):
             setattr(engine, attribute, getattr(engine, method)())
+
+
+def clipping_note(engine) -> str:
+    """The start-up summary's line when the config leaves ``gradient_clipping`` out: DeepSpeed then clips the global
+    gradient norm at its default (1.0 in 0.19.x), so a loop compared with torch DDP without clipping leaves it from
+    the second AdamW update. Lins follows DeepSpeed; the line says so."""
+    given = getattr(engine._config, "_param_dict", None)  # the user's config as parsed (None: unknown, say nothing)
+    clip = engine.gradient_clipping()
+    if given is None or GRADIENT_CLIPPING in given or not clip:
+        return ""
+    return (f"\n  gradient clipping: global norm {clip:g}, DeepSpeed's default (\"gradient_clipping\" is not set; "
+            "set it to 0 for none)")

@@ -119,7 +119,7 @@ class LinsEngine(DeepSpeedEngine):
             else:
                 plan, summary, cands, decision = self._tune_start(plan, summary)
         check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested(), self._settings())
-        announce(summary + misaligned_note(self.module, gemm_dtype(self, param_dtype)))
+        announce(summary + ds_compat.clipping_note(self) + misaligned_note(self.module, gemm_dtype(self, param_dtype)))
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
                                 device=torch.device(self.device), check_collectives=check,
