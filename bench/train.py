@@ -319,9 +319,12 @@ def host_step(engine, before: list):
     if host is None or getattr(engine, "lins", None) is None:
         return None
     grads = engine.lins.host_grads
-    waited = host.waited_s + (grads.waited_s if grads is not None else 0.0)
-    so_far = sum(s["waited_s"] for s in before if s)
-    return {"waited_s": waited - so_far, "worker_s": host.last_update_s, "worker_spent_s": dict(host.last_spent_s)}
+    total = host.waited_s + (grads.waited_s if grads is not None else 0.0)  # since this offload was built
+    built = f"{id(host)}:{id(grads)}"  # a re-layout (tune) builds the offload anew, its counters from zero
+    last = next((s for s in reversed(before) if s), None)
+    waited = total - last["waited_total_s"] if last is not None and last["offload"] == built else total
+    return {"waited_s": waited, "waited_total_s": total, "offload": built, "worker_s": host.last_update_s,
+            "worker_spent_s": dict(host.last_spent_s)}
 
 
 def offload_summary(engine, steps: int):

@@ -99,13 +99,15 @@ def _plan(key, value):
 @dataclass(frozen=True)
 class TuneSpec:
     """``lins.tune``: how many of the solver's candidates to time; optimizer steps per candidate, at least ``steps``
-    (the first one, with its allocations, not timed) and more until the median step time's 95 % interval is within
-    +-``precision`` of it, ``max_steps`` at most; whether the decision is cached for the next launch."""
+    (the first ``warmup_steps`` not timed: the first step after a move allocates, the second pays the first host
+    update under offload) and more until the median step time's 95 % interval is within +-``precision`` of it,
+    ``max_steps`` at most; whether the decision is cached for the next launch."""
 
     candidates: int = 3
     steps: int = 3
     precision: float = 0.03
     max_steps: int = 12
+    warmup_steps: int = 2
     cache: bool = True
 
 
@@ -113,10 +115,11 @@ TUNE_KEYS = {f.name: f.default for f in fields(TuneSpec)}
 
 
 def _tune(key, value):
-    """{"candidates": k >= 1, "steps": n >= 2, "precision": 0 <= x < 1, "max_steps": >= steps, "cache": bool},
-    defaults filled in."""
+    """{"candidates": k >= 1, "steps": n >= 2, "precision": 0 <= x < 1, "max_steps": >= steps,
+    "warmup_steps": 1 <= w < steps, "cache": bool}, defaults filled in (warmup_steps: 2, or steps - 1 if fewer)."""
     if not isinstance(value, dict):
-        _bad(key, value, "{\"candidates\": 3, \"steps\": 3, \"precision\": 0.03, \"max_steps\": 12, \"cache\": true}")
+        _bad(key, value, "{\"candidates\": 3, \"steps\": 3, \"precision\": 0.03, \"max_steps\": 12, "
+             "\"warmup_steps\": 2, \"cache\": true}")
     unknown = sorted(set(value) - set(TUNE_KEYS))
     if unknown:
         raise LinsConfigError(f"lins.tune.{unknown[0]}: unknown key (known keys: {', '.join(TUNE_KEYS)})")
@@ -134,6 +137,12 @@ def _tune(key, value):
         out["max_steps"] = max(v, out["steps"])
     elif isinstance(v, bool) or not isinstance(v, int) or v < out["steps"]:
         _bad(f"{key}.max_steps", v, f"an integer >= lins.tune.steps ({out['steps']})")
+    v = out["warmup_steps"]
+    if "warmup_steps" not in value:
+        out["warmup_steps"] = min(v, out["steps"] - 1)
+    elif isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < out["steps"]:
+        _bad(f"{key}.warmup_steps", v, f"an integer >= 1 and < lins.tune.steps ({out['steps']}): a candidate's "
+             "first steps are not timed, and at least one is")
     if not isinstance(out["cache"], bool):
         _bad(f"{key}.cache", out["cache"], "true or false")
     return TuneSpec(**out)
@@ -188,9 +197,10 @@ class LinsConfig:
     plan: object = _rule("solve", _plan, "`\"solve\"`, `\"tune\"` (solve, then time the best candidates on the first "
                          "training steps and keep the fastest; see `tune`), or fixed factors `{\"p\": [intra, inter], \"g\": [...], \"os\": "
                          "[...]}`; `\"all\"` is the whole dimension (`\"os\": [\"all\", \"all\"]` is ZeRO-1's OS)")
-    tune: TuneSpec = _rule(TuneSpec(), _tune, "`\"plan\": \"tune\"`: candidates; steps each (first untimed), "
-                           "more till the median's 95 % interval is +-`precision`; cache the pick",
-                           "`{\"candidates\": 3, \"steps\": 3, \"precision\": 0.03, \"max_steps\": 12, \"cache\": true}`")
+    tune: TuneSpec = _rule(TuneSpec(), _tune, "`\"plan\": \"tune\"`: candidates; steps each "
+                           "(`warmup_steps` untimed), more till the median's 95 % interval is +-`precision`; cache the pick",
+                           "`{\"candidates\": 3, \"steps\": 3, \"precision\": 0.03, \"max_steps\": 12, "
+                           "\"warmup_steps\": 2, \"cache\": true}`")
     gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int),
                                          "GPUs per (emulated) node; must divide the world size",
                                          "the launcher's local world size")

@@ -2,7 +2,7 @@
 (docs/design.md §14).
 
 Training starts on the solver's best plan. Once a candidate's step time is known — at least ``lins.tune.steps``
-optimizer steps (the first one, with its allocations, not timed), and more until the median's 95 % interval is within
+optimizer steps (the first ``lins.tune.warmup_steps`` not timed), and more until the median's 95 % interval is within
 +-``lins.tune.precision`` of it, ``lins.tune.max_steps`` at most — the engine re-lays itself in memory onto the next
 candidate (``lins_ds.runtime.relayout``) and goes on training; once each has been timed it moves to the fastest
 measured candidate whose measured peak stayed within the budget — away from the solver's best only when the gain is
@@ -209,10 +209,11 @@ class Tuner:
     """Drives the trials from ``LinsEngine.step`` (``after_step``, every rank, after each optimizer step)."""
 
     def __init__(self, engine, cands: list, spec, budget_gb: Optional[float], decision: Optional[tuple]):
-        """``spec``: lins.tune (steps, precision, max_steps)."""
+        """``spec``: lins.tune (steps, precision, max_steps, warmup_steps)."""
         ctx = engine._lins_solve
         self.engine, self.budget_gb, self.decision = engine, budget_gb, decision
         self.steps, self.precision, self.max_steps = spec.steps, spec.precision, spec.max_steps
+        self.warmup = spec.warmup_steps
         self.trials = [Trial(c, plan_of(c.evaluation, ctx.topo, ctx.model, ctx.train, ctx.table)) for c in cands]
         self.trials[0].plan = engine.lins.plan  # the plan training started on (the solver's best)
         self.current = 0  # the trial whose plan the engine runs now
@@ -225,7 +226,7 @@ class Tuner:
         """Count and time this optimizer step; switch or decide when a trial is done. True once tuning is over."""
         now = _clock(self.device)
         trial = self.trials[self.current]
-        if trial.steps > 0:  # the slowest rank's time of this step: every rank holds the same times, and so takes
+        if trial.steps >= self.warmup:  # the slowest rank's time of this step: every rank holds the same times, and so takes
             trial.times.append(comm.max_over_world(now - self._last, self.device))  # the same decisions below
         trial.steps += 1
         if trial.steps < self.steps or (trial.steps < self.max_steps
