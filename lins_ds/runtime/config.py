@@ -198,7 +198,8 @@ class LinsConfig:
                          "training steps and keep the fastest; see `tune`), or fixed factors `{\"p\": [intra, inter], \"g\": [...], \"os\": "
                          "[...]}`; `\"all\"` is the whole dimension (`\"os\": [\"all\", \"all\"]` is ZeRO-1's OS)")
     tune: TuneSpec = _rule(TuneSpec(), _tune, "`\"plan\": \"tune\"`: candidates; steps each "
-                           "(`warmup_steps` untimed), more till the median's 95 % interval is +-`precision`; cache the pick",
+                           "(`warmup_steps` untimed), more till the median's 95 % interval is +-`precision`; "
+                           "cache the pick",
                            "`{\"candidates\": 3, \"steps\": 3, \"precision\": 0.03, \"max_steps\": 12, "
                            "\"warmup_steps\": 2, \"cache\": true}`")
     gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int),

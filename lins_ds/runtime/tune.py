@@ -226,8 +226,8 @@ class Tuner:
         """Count and time this optimizer step; switch or decide when a trial is done. True once tuning is over."""
         now = _clock(self.device)
         trial = self.trials[self.current]
-        if trial.steps >= self.warmup:  # the slowest rank's time of this step: every rank holds the same times, and so takes
-            trial.times.append(comm.max_over_world(now - self._last, self.device))  # the same decisions below
+        if trial.steps >= self.warmup:  # the slowest rank's time of this step: every rank holds the same times,
+            trial.times.append(comm.max_over_world(now - self._last, self.device))  # so takes the same decisions
         trial.steps += 1
         if trial.steps < self.steps or (trial.steps < self.max_steps
                                         and not choose.settled(trial.times, self.precision)):
