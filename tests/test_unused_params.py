@@ -364,10 +364,11 @@ def engine_single_group(plan, optimizer: str, clip, stage: int = 0):
         cfg["gradient_clipping"] = clip
     if plan is not None:
         cfg["lins"] = {"plan": plan, "gpus_per_node": 2}
-    kwargs = {"optimizer": torch.optim.AdamW(model.parameters(), lr=LR)}
     if optimizer == "config":
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}
         kwargs = {"model_parameters": model.parameters()}
+    else:
+        kwargs = {"optimizer": torch.optim.AdamW(model.parameters(), lr=LR)}
     engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
     note = ds_compat.clipping_note(engine)
     losses = []
