@@ -29,9 +29,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                     help="checkpoint every layer unit (default: the solver picks how many, 0..N)")
     ck.add_argument("--no-activation-checkpointing", dest="ckpt", action="store_false")
     ck.add_argument("--checkpoint-units", dest="ckpt", type=int, metavar="K", help="checkpoint the first K layer units")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--cluster", help="built-in synthetic cluster (default a800-ib)")
-    src.add_argument("--profile", help="profile table JSON written by lins-ds profile")
+    p.add_argument("--cluster", help="built-in synthetic cluster (default a800-ib); with --profile only its compute "
+                   "model, as lins.cluster in the engine (default h200-emulated, lins.cluster's)")
+    p.add_argument("--profile", help="profile table JSON written by lins-ds profile")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="parameter dtype")
     p.add_argument("--grad-accum-dtype", choices=["bf16", "fp16", "fp32"], help="gradient accumulation dtype (default: the parameter dtype, as DeepSpeed)")
     p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient communication dtype (default: --dtype)")
@@ -43,8 +43,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                         "comm: all communication + recompute (the paper's, for its Table III)")
     p.add_argument("--host-memory-gb", type=float, help="host memory per node the offloaded optimizer state may "
                    "pin, GiB; with it the solver may offload (--offload auto)")
-    p.add_argument("--offload", choices=["auto", "off"], help="auto: the solver may put the last units' optimizer "
-                   "state on the host (default with --host-memory-gb); off: never")
+    p.add_argument("--offload", choices=["auto", "off"], help="auto: where no plan fits the GPU, the solver may put "
+                   "the last units' optimizer state on the host, as the engine's lins.offload \"auto\" (default with "
+                   "--host-memory-gb); off: never")
     p.add_argument("--host-update-gelems", type=float, default=2.2, help="host optimizer speed, G elements/s "
                    "(default: torch's fused CPU AdamW as measured by an H200 host's engine start-up)")
     p.add_argument("--host-copy-gbs", type=float, default=50.0, help="pinned host<->GPU copy bandwidth, GB/s")
@@ -87,32 +88,34 @@ def _offload_spec(args: argparse.Namespace, topo):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import plan as P
-    from .plan import cost, report
+    from .plan import context, cost, report
+    from .plan.offload import OffloadSpec
 
     topo = P.Topology(args.nodes, args.gpus_per_node)
     model = P.load_model(args.model)
-    if args.profile:
+    if args.profile:  # the engine's rules for a profile JSON (lins.profile): compute from lins.cluster's default
         table = P.ProfileTable.load(args.profile)
-        compute = P.ComputeSpec(float(table.meta.get("peak_tflops", 312.0)),
-                                float(table.meta.get("achievable_mfu", 0.5)),
-                                float(table.meta.get("memory_bandwidth_gbs", 1200.0)))
-        capacity = args.gpu_memory_gb or table.meta.get("gpu_memory_gb")
+        compute = context.compute_for(table, args.cluster or context.DEFAULT_CLUSTER)
+        capacity = args.gpu_memory_gb if args.gpu_memory_gb is not None else table.meta.get("gpu_memory_gb")
     else:
         cluster = P.get_cluster(args.cluster or "a800-ib")
         table = cluster.table(cost.required_meshes(topo, P.candidates(topo)))
-        compute = cluster.compute()
+        compute = context.compute_for(table, cluster.name)
         capacity = args.gpu_memory_gb if args.gpu_memory_gb is not None else cluster.gpu_memory_gb
     if capacity is None:
         raise P.PlanError("--gpu-memory-gb: required when the profile does not record the GPU memory")
     train = P.TrainingSpec(args.seq_len, args.micro_batch_size, args.grad_accum, args.dtype,
                            args.grad_accum_dtype, args.grad_reduce_dtype, activation_checkpointing=args.ckpt)
-    reserved = args.reserved_gb
-    if reserved is None:  # what the engine holds back on the profile's device (lins.reserved_gb's default)
-        reserved = 0.0 if args.profile and table.meta.get("device") == "cpu" else 2.0
-    mem = P.MemorySpec(capacity, reserved, args.fragmentation)
+    device = "cpu" if args.profile and table.meta.get("device") == "cpu" else "cuda"  # the profile's device
+    mem = P.MemorySpec(capacity, context.reserved_gb(args.reserved_gb, device), args.fragmentation)
     offload = _offload_spec(args, topo)
-    try:
-        sol = P.solve(model, topo, train, mem, table, compute, objective=args.objective, offload=offload)
+
+    def solve(spec):
+        return P.solve(model, topo, train, mem, table, compute, objective=args.objective, offload=spec)
+
+    try:  # the engine's offload policy: "auto" offloads only where no GPU-resident plan fits
+        sol = context.without_offload_first(offload.mode, lambda: (solve(OffloadSpec()), True),
+                                            lambda: solve(offload), (P.NoFeasiblePlan,))
     except P.NoFeasiblePlan as e:
         if args.format == "json":
             print(json.dumps({"error": str(e), "smallest_plan": e.smallest.layout.to_json(),

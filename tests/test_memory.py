@@ -99,7 +99,7 @@ def test_a_measured_profile_changes_the_plan_the_formula_would_pick():
 
 def test_guard_names_the_excess_and_a_plan_that_fits():
     from lins_ds.runtime.memory_guard import verdict
-    from lins_ds.runtime.planning import SolveContext
+    from lins_ds.plan.context import SolveContext
 
     topo, model, train, table, compute = _setting()
     ctx = SolveContext(model, topo, train, MemorySpec(40), table, compute, candidates(topo), "step", None)

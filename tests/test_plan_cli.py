@@ -87,3 +87,68 @@ def test_plan_offloads_with_host_memory_and_refuses_without(capsys):
     capsys.readouterr()
     assert main(["plan", *one_gpu, "--host-memory-gb", "5"]) == 2
     assert "host memory" in capsys.readouterr().err
+
+
+ONE_GPU_1B = ["--model", "llama-1b", "--nodes", "1", "--gpus-per-node", "1", "--seq-len", "4096",
+              "--micro-batch-size", "2", "--grad-accum", "2", "--format", "json"]
+
+
+def test_plan_offloads_only_where_no_gpu_resident_plan_fits_as_the_engine_does(capsys):
+    """lins.offload "auto"'s one policy (lins_ds.plan.context.without_offload_first): at 24 GiB a GPU-resident plan
+    fits (10 of 16 layers checkpointed), and host memory does not change it; `lins-ds plan` used to offload 4 units
+    there, a plan the engine would never run. At 20 GiB none fits: then it offloads."""
+    plans = {}
+    for gb in ("24", "20"):
+        for host in ([], ["--host-memory-gb", "1000"]):
+            code = main(["plan", *ONE_GPU_1B, "--gpu-memory-gb", gb, *host])
+            out = capsys.readouterr().out
+            plans[gb, bool(host)] = json.loads(out) if code == 0 else None
+    assert plans["24", True]["offload_units"] == 0
+    for key in ("plan", "activation_checkpointing_units", "memory_gb_per_gpu", "objective_s_per_step"):
+        assert plans["24", True][key] == plans["24", False][key], key
+    assert plans["20", False] is None and plans["20", True]["offload_units"] > 0
+
+
+def engine_solution(profile, extra):
+    import deepspeed
+    import torch
+    from helpers import config, param_groups, tiny_llama
+
+    from lins_ds.plan import report
+
+    model = tiny_llama()
+    lins = {"plan": "solve", "profile": profile, "seq_len": 64, "memory_profile": "formula", **extra}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                      config=config(lins))
+    out = report.to_json(engine._lins_solve.solution)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("cluster", [None, "a800-ib"])
+def test_plan_from_a_profile_predicts_what_the_engine_predicts(tmp_path, capsys, cluster):
+    """The same model, batch, profile and memory: `lins-ds plan --profile` and the engine's lins.profile give the
+    same plan and the same predictions (compute from lins.cluster, the reserve by the profile's device). The CLI
+    used to price recompute with compute of its own (312 TFLOPS at 50 %), the engine with h200-emulated's."""
+    from helpers import GPUS_PER_NODE, run, tiny_llama
+
+    from lins_ds.plan import Topology, candidates, cost, get_cluster
+
+    topo = Topology(2, GPUS_PER_NODE)
+    table = get_cluster("h200-emulated").table(cost.required_meshes(topo, candidates(topo)))
+    obj = table.to_json()
+    obj["meta"]["device"] = "cpu"
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(obj))
+    tiny_llama().config.to_json_file(tmp_path / "config.json")
+    extra = {"gpu_memory_gb": 0.004, "activation_checkpointing": True, **({"cluster": cluster} if cluster else {})}
+    want = run(engine_solution, 2 * GPUS_PER_NODE, str(profile), extra, gpus_per_node=GPUS_PER_NODE)[0]
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--nodes", "2", "--gpus-per-node", str(GPUS_PER_NODE),
+            "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum", "2", "--dtype", "fp32",
+            "--gpu-memory-gb", "0.004", "--activation-checkpointing", "--profile", str(profile), "--format", "json"]
+    assert main(args + (["--cluster", cluster] if cluster else [])) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert want["predicted_recompute_s_per_step"] > 0
+    for key in ("plan", "activation_checkpointing_units", "memory_gb_per_gpu", "memory_breakdown_gb",
+                "predicted_recompute_s_per_step", "predicted_optimizer_s_per_step", "objective_s_per_step"):
+        assert got[key] == want[key], (key, got[key], want[key])

@@ -18,6 +18,7 @@ import weakref
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.utils import register_output_backward_hooks
 
 from .. import comm, dtypes
 from ..checkpoint.load import load
@@ -25,6 +26,7 @@ from ..checkpoint.save import save
 from ..plan import Plan
 from ..plan.layout import needs_unsorted_groups
 from ..runtime import memory_guard, recompute, relayout, tune
+from ..runtime.executor import grad_tensors
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.materialize import is_deferred
 from ..runtime.memory_guard import report_startup
@@ -252,7 +254,10 @@ class LinsEngine(DeepSpeedEngine):
         if self._lins_lengths is not None and self.module.training and torch.is_grad_enabled():
             self._watch_length(batch_length(args, kwargs, self.train_micro_batch_size_per_gpu()))
         with self._running():
-            return super().forward(*args, **kwargs)
+            out = super().forward(*args, **kwargs)
+        if self.lins is not None and torch.is_grad_enabled():
+            _hook_hidden_outputs(self, out)
+        return out
 
     def backward(self, loss, *args, **kwargs):
         with self._running():
@@ -380,6 +385,30 @@ class LinsEngine(DeepSpeedEngine):
             lins.destroy()
             zero_api.detach(self)
         super().destroy()
+
+
+def _visible_to_deepspeed(out) -> bool:
+    """Whether DeepSpeed's forward found a tensor to hook in ``out``: it walks tensors, tuples, lists and dicts
+    only (``deepspeed.runtime.utils.OutputBackwardHookManager``)."""
+    if isinstance(out, torch.Tensor):
+        return out.grad_fn is not None
+    if isinstance(out, (tuple, list)):
+        return any(_visible_to_deepspeed(v) for v in out)
+    if isinstance(out, dict):
+        return any(_visible_to_deepspeed(v) for v in out.values())
+    return False
+
+
+def _hook_hidden_outputs(engine: "LinsEngine", out) -> None:
+    """A forward that returns its loss inside another object (a ``SimpleNamespace``, a plain dataclass): DeepSpeed
+    hooks none of it, so no backward would tell the optimizer it starts (``backward_prologue``) and no gradient
+    would be averaged over the accumulation steps. The same hooks go on the tensors inside it."""
+    if _visible_to_deepspeed(out):
+        return
+    hidden = [t for t in grad_tensors(out) if t.grad_fn is not None]
+    if hidden:
+        register_output_backward_hooks(hidden, preprocess_once_fn=engine._backward_prologue,
+                                       preprocess_per_tensor_fn=engine._backward_prologue_per_tensor)
 
 
 def _runs_differently(a: Plan, b: Plan) -> bool:

@@ -190,7 +190,7 @@ def measured(name: str, units: list, hidden: int, vocab: int, intermediate: int 
     """A model the reader does not know, described by the engine from the model itself: ``units`` its exact
     parameter counts (root first, then each layer unit); activations estimated as a LLaMA layer of its widths
     (``intermediate`` 0: 4 x hidden) unless the memory probe measures them."""
-    heads = heads if hidden % max(1, heads) == 0 else 1
+    heads = heads if heads > 0 and hidden % heads == 0 else 1  # no config to name them: one head
     return ModelSpec(name, "llama", max(1, len(units) - 1), hidden, intermediate or 4 * hidden, vocab, heads, heads,
                      measured_units=tuple(units), unmodelled=note)
 

@@ -97,6 +97,13 @@ def widened(spec: OffloadSpec) -> OffloadSpec:
     return replace(spec, params="auto") if spec.params == "needed" else spec
 
 
+def ladder(spec: OffloadSpec) -> list:
+    """The offloads to price in turn, each only where none before gives a plan that fits (the solver, a fixed
+    layout's prediction): with ``params`` "needed" (lins.offload "auto"), P on the GPU first, then free to go to the
+    host."""
+    return [spec, widened(spec)] if spec.params == "needed" else [spec]
+
+
 def _choices(want: str, allowed: bool) -> list:
     if want in ("off", "gpu", "needed"):  # "needed": the solver widens to "auto" only where nothing fits
         return [False]

@@ -19,7 +19,7 @@ from typing import Optional
 from . import cost
 from .memory import ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
-from .offload import OffloadSpec, exposed_seconds as offload_exposed, widened
+from .offload import OffloadSpec, exposed_seconds as offload_exposed, ladder
 from .profile_table import ProfileTable
 from .spec import MemorySpec, TrainingSpec
 from .topology import Layout, PlanError, Topology, candidates, check_layout
@@ -312,7 +312,20 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
           activations: Optional[ActivationProfile] = None, offload: OffloadSpec = OffloadSpec()) -> Solution:
     """The fastest fitting plan; raises NoFeasiblePlan naming the smallest plan and its deficit. Per layout and
     checkpointing choice, the fewest offloaded units that fit (``offload``: none unless its mode allows). With
-    ``offload.params`` "needed", the offloaded units' parameters go to the host only where no plan fits without."""
+    ``offload.params`` "needed", the offloaded units' parameters go to the host only where no plan fits without
+    (``offload.ladder``)."""
+    steps = ladder(offload)
+    for i, spec in enumerate(steps):
+        try:
+            return _solve(model, topo, train, mem, table, compute, layouts, objective, activations, spec)
+        except NoFeasiblePlan:
+            if i == len(steps) - 1:
+                raise
+
+
+def _solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
+           compute: ComputeSpec, layouts: Optional[list], objective: str, activations: Optional[ActivationProfile],
+           offload: OffloadSpec) -> Solution:
     if objective not in OBJECTIVES:
         raise PlanError(f"objective: {objective!r} is not one of {OBJECTIVES}")
     t0 = time.perf_counter()
@@ -350,8 +363,6 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
                         "lins.offload.p: \"cpu\" keeps parameters on the host, which needs a layout with s_p = s_os "
                         "(no P-sync) and the gradient placement asked for; none of the layouts considered is")
     fitting = sorted((e for e in evals if e.fits), key=Evaluation.sort_key)
-    if not fitting and offload.params == "needed":
-        return solve(model, topo, train, mem, table, compute, layouts, objective, activations, widened(offload))
     if not fitting:
         raise _no_plan(least_host or smallest, mem)
     best = fitting[0]

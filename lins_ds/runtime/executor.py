@@ -59,8 +59,19 @@ class Progress:
     busy: int = 0  # the engine or the model is running (forward, backward, step): reads are its own, not the user's
 
 
-def _requires_grad(out) -> list:
-    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+def grad_tensors(out, depth: int = 3) -> list:
+    """The tensors in a forward's output that a backward can start from: through pytree's containers (tuples,
+    lists, dicts, HF's ``ModelOutput``) and, ``depth`` levels down, the attributes of other objects (a
+    ``SimpleNamespace`` or a plain dataclass holding the loss), which pytree and DeepSpeed do not look into."""
+    found = []
+    for leaf in tree_flatten(out)[0]:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                found.append(leaf)
+        elif depth > 0 and hasattr(leaf, "__dict__") and not isinstance(leaf, (torch.nn.Module, type)):
+            found += grad_tensors(list(vars(leaf).values()), depth - 1)
+    return found
+
 
 
 def will_get_grad(param) -> bool:
@@ -129,7 +140,7 @@ class Executor:
             self.progress.busy -= 1
 
     def _root_post_forward(self, module, args, out):
-        if self.root is not None and not (self.gradients and torch.is_grad_enabled() and _requires_grad(out)):
+        if self.root is not None and not (self.gradients and torch.is_grad_enabled() and grad_tensors(out)):
             self.root.release()  # no backward will follow
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
@@ -149,7 +160,7 @@ class Executor:
             return
         if not self._in_backward:
             unit.release()
-        for t in _requires_grad(out) if self.gradients else []:
+        for t in grad_tensors(out) if self.gradients else []:
             t.register_hook(lambda grad, u=unit: (self._pre_backward(u), grad)[1])
 
     def _pre_backward(self, unit: Unit):

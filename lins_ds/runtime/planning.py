@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from typing import Optional
 
 import psutil
@@ -19,8 +18,10 @@ from deepspeed.utils import logger
 from .. import comm, dtypes
 from ..plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                     load_model, solve)
-from ..plan.offload import HostSpec, OffloadSpec, widened
-from ..plan.solver import Evaluation, NoFeasiblePlan, _gib, best_placement, evaluate, fewest_offloaded_placed
+from ..plan.context import SolveContext, check_placement as _check_placement, compute_for, reserved_gb, \
+    without_offload_first
+from ..plan.offload import HostSpec, OffloadSpec, ladder, widened
+from ..plan.solver import NoFeasiblePlan, _gib
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
 from ..plan.compute_model import ALIGN_BYTES
@@ -154,61 +155,12 @@ def activation_profile(module: torch.nn.Module, cfg: LinsConfig, train: Training
     return prof, prof.source
 
 
-@dataclass(frozen=True)
-class SolveContext:
-    """Everything the solver is given at start-up (the memory guard re-solves with it)."""
-
-    model: object
-    topo: Topology
-    train: TrainingSpec
-    mem: MemorySpec
-    table: ProfileTable
-    compute: object
-    layouts: list
-    objective: str
-    activations: Optional[ActivationProfile]
-    activations_note: str = "formula"
-    offload: OffloadSpec = OffloadSpec()
-    solution: object = None  # the start-up Solution (every feasible plan: the tuner's candidates)
-
-    def solve(self, capacity_gb: Optional[float] = None):
-        mem = self.mem if capacity_gb is None else MemorySpec(capacity_gb, self.mem.reserved_gb, self.mem.fragmentation)
-        return solve(self.model, self.topo, self.train, mem, self.table, self.compute, layouts=self.layouts,
-                     objective=self.objective, activations=self.activations, offload=self.offload)
-
-    def placements(self, layout) -> list:
-        """(G on the host, P on the host) pairs this offload allows under ``layout`` (a fixed one it cannot carry:
-        an error naming the key)."""
-        check_placement(self.offload, layout, self.topo)
-        return self.offload.placements(layout, self.topo.world_size)
-
-    def evaluate(self, layout, ckpt_units: int, offload_units: int = 0, place: Optional[tuple] = None):
-        """The plan of ``layout`` with ``ckpt_units`` checkpointed and ``offload_units`` offloaded, their gradients and
-        parameters on the host or not (``place``; None: where the offload allows and the solver prefers)."""
-        choices = [place] if place is not None else self.placements(layout) if offload_units else [(False, False)]
-        return best_placement([evaluate(self.topo, layout, ckpt_units, self.model, self.train, self.mem, self.table,
-                                        self.compute, self.objective, self.activations, offload_units=offload_units,
-                                        offload=self.offload, offload_grads=g, offload_params=p) for g, p in choices])
-
-    def fewest_offloaded(self, layout, ckpt_units: int) -> Evaluation:
-        """The fastest of the fewest offloaded units that fit, per placement of their gradients and parameters."""
-        e, _ = fewest_offloaded_placed(lambda o, place: self.evaluate(layout, ckpt_units, o, place),
-                                       self.offload.choices(len(self.model.unit_params())), self.placements(layout))
-        return e
-
-
 def check_placement(spec: OffloadSpec, layout, topo: Topology) -> None:
-    """A fixed placement the layout cannot carry: one error naming the key."""
-    if spec.mode == "off":
-        return
-    if not spec.grad_choices(layout, topo.world_size):
-        raise LinsConfigError(f"lins.offload.g: \"cpu\" keeps gradients on the host, which needs G sharded over "
-                              f"every rank (no replica AllReduce after the ReduceScatter); {layout} shards G "
-                              f"{layout.g.size} ways on {topo.world_size} ranks")
-    if not spec.param_choices(layout):
-        raise LinsConfigError(f"lins.offload.p: \"cpu\" keeps parameters on the host, which needs s_p = s_os (the "
-                              f"host optimizer writes the P chunk; no P-sync); {layout} has s_p {layout.p.size}, "
-                              f"s_os {layout.os.size}")
+    """``plan.context.check_placement``, its error a config error (raised on every rank alike)."""
+    try:
+        _check_placement(spec, layout, topo)
+    except PlanError as e:
+        raise LinsConfigError(str(e)) from None
 
 
 def host_capacity_gb(cfg: LinsConfig) -> float:
@@ -257,13 +209,13 @@ def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, acc
     device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
     table = table or _timing_table(cfg, topo, model, train, device)
     acts, acts_note = activation_profile(module, cfg, train, device)
-    reserved = cfg.reserved_gb if cfg.reserved_gb is not None else (2.0 if device.type == "cuda" else 0.0)
+    reserved = reserved_gb(cfg.reserved_gb, device.type)
     layouts = candidates(topo)
     if not comm.SUPPORTS_UNSORTED_GROUPS:  # older torch: only layouts whose groups are in rank order
         layouts = [lay for lay in layouts if not needs_unsorted_groups(topo, lay)]
     spec = offload[0] if offload is not None else OffloadSpec()
     return SolveContext(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
-                        get_cluster(cfg.cluster).compute(), layouts, cfg.objective, acts, acts_note, spec)
+                        compute_for(table, cfg.cluster), layouts, cfg.objective, acts, acts_note, spec)
 
 
 def _offload_note(context: SolveContext, plan: Plan) -> str:
@@ -333,15 +285,18 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
 
 def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
     """(plan, summary, context) of a fixed layout with the offload ``context`` allows and the memory it predicts."""
-    layout, k, spec = plan.layout, plan.activation_checkpointing_units, context.offload
-    e = context.fewest_offloaded(layout, k)
-    if spec.mode == "auto" and not e.fits_gpu and spec.params == "needed":  # parameters on the host, if that fits
-        wider = dataclasses.replace(context, offload=widened(spec))
-        wide = wider.fewest_offloaded(layout, k)
-        if wide.fits_gpu:
-            context, e = wider, wide
-    if spec.mode == "auto" and not e.fits_gpu:  # offload does not make this layout fit: none (the guard warns)
-        e = context.evaluate(layout, k, 0)
+    layout, k = plan.layout, plan.activation_checkpointing_units
+    check_placement(context.offload, layout, context.topo)
+    chosen = None
+    for spec in ladder(context.offload):  # "auto": parameters on the host only if that is what makes it fit
+        step = dataclasses.replace(context, offload=spec)
+        e = step.fewest_offloaded(layout, k)
+        if e.fits_gpu or spec.mode != "auto":
+            chosen = step, e
+            break
+    if chosen is None:  # "auto", and offload does not make this layout fit: none (the memory guard warns)
+        chosen = context, context.evaluate(layout, k, 0)
+    context, e = chosen
     if e.memory.host_gb > e.host_capacity_gb:
         raise LinsConfigError(f"lins.offload: the fixed plan's offloaded optimizer state needs {_gib(e.memory.host_gb)} "
                               f"GiB of host memory per rank, {_gib(e.host_capacity_gb)} GiB available "
@@ -374,20 +329,19 @@ def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_d
     ``"offload": "auto"`` offers the solver offload only where no GPU-resident plan fits (it costs time, and
     measuring the host costs start-up time); a fixed offload is always priced."""
     build = solve_plan if cfg.solve else fixed_plan
-    gpu_only = None  # "auto": the plan without offload (a fixed one that does not fit), or why none fits
-    if cfg.offload[0] == "auto":
-        try:
-            plan, summary, context = gpu_only = build(engine, cfg, topo, param_dtype, accum_dtype, seq_len=seq_len)
-            if cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb:
-                return plan, summary, context, "torch"
-        except NoPlanFits as e:
-            gpu_only = e
-    offload = _offload_for(engine, cfg, param_dtype, accum_dtype)
-    if gpu_only is not None and offload[0].mode == "off":  # a CPU device, or no host optimizer runs here
-        if isinstance(gpu_only, NoPlanFits):
-            raise gpu_only
-        return (*gpu_only, "torch")
-    return (*build(engine, cfg, topo, param_dtype, accum_dtype, offload, seq_len=seq_len), offload[1])
+
+    def without() -> tuple:
+        plan, summary, context = build(engine, cfg, topo, param_dtype, accum_dtype, seq_len=seq_len)
+        fits = cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb
+        return (plan, summary, context, "torch"), fits
+
+    def with_offload():
+        spec, kind = _offload_for(engine, cfg, param_dtype, accum_dtype)
+        if spec.mode == "off" and cfg.offload[0] == "auto":  # a CPU device, or no host optimizer runs here
+            return None
+        return (*build(engine, cfg, topo, param_dtype, accum_dtype, (spec, kind), seq_len=seq_len), kind)
+
+    return without_offload_first(cfg.offload[0], without, with_offload, (NoPlanFits,))
 
 
 def start_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
@@ -422,8 +376,7 @@ def forward_only_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str)
         p = cfg.layout(topo).p
         why = "fixed in config"
     else:
-        free = _memory_gb(cfg, device) - (cfg.reserved_gb if cfg.reserved_gb is not None else
-                                          (2.0 if device.type == "cuda" else 0.0))
+        free = _memory_gb(cfg, device) - reserved_gb(cfg.reserved_gb, device.type)
         if device.type == "cuda":  # what another engine holds; this model, already moved here, is not counted
             mine = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.device.type == "cuda")
             free -= (torch.cuda.memory_allocated(device) - mine) / 2**30
@@ -453,20 +406,17 @@ def plan_for_length(engine, cfg: LinsConfig, context: SolveContext, plan: Plan, 
     def build(ctx):
         return solved(ctx, inferred) if cfg.solve else fixed_predicted(ctx, plan, _fixed_summary(plan))
 
-    if cfg.offload[0] != "auto" or context.offload.mode != "off":
-        return (*build(context), None)
-    try:
+    def without() -> tuple:
         out = build(context)
-        if cfg.solve or out[0].memory_gb <= context.mem.capacity_gb:
-            return (*out, None)
-    except NoPlanFits as e:
-        out = e
-    offload = _offload_for(engine, cfg, plan.param_dtype, dtypes.TORCH[plan.grad_dtype])
-    if offload[0].mode == "off":
-        if isinstance(out, NoPlanFits):
-            raise out
-        return (*out, None)
-    return (*build(dataclasses.replace(context, offload=offload[0])), offload[1])
+        return (*out, None), cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
+
+    def with_offload():
+        spec, kind = _offload_for(engine, cfg, plan.param_dtype, dtypes.TORCH[plan.grad_dtype])
+        return None if spec.mode == "off" else (*build(dataclasses.replace(context, offload=spec)), kind)
+
+    # the host is measured only where "auto" has not offloaded yet; else the context's offload is the one priced
+    mode = "auto" if cfg.offload[0] == "auto" and context.offload.mode == "off" else "off"
+    return without_offload_first(mode, without, with_offload, (NoPlanFits,))
 
 
 def _fixed_summary(plan: Plan) -> str:

@@ -1,0 +1,115 @@
+"""What the solver is given, and the rules that fill it in, in one place for every caller: the engine at start-up and
+for a new sequence length, the memory guard, the tuner, and ``lins-ds plan``. The same inputs give the same plan
+whoever asks: the defaults (reserve, compute model) and the offload policy are not written twice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .clusters import get_cluster
+from .memory import ActivationProfile
+from .offload import OffloadSpec
+from .profile_table import ProfileTable
+from .solver import ComputeSpec, Evaluation, best_placement, evaluate, fewest_offloaded_placed, solve
+from .spec import MemorySpec, TrainingSpec
+from .topology import PlanError, Topology
+
+DEFAULT_CLUSTER = "h200-emulated"  # lins.cluster's default: the compute model of a measured profile too
+RESERVED_GB = {"cuda": 2.0}  # memory outside the allocator (CUDA context, communicator buffers); 0 elsewhere
+
+
+def reserved_gb(given: Optional[float], device_type: str) -> float:
+    """lins.reserved_gb / --reserved-gb where given, else what the device holds outside the allocator."""
+    return given if given is not None else RESERVED_GB.get(device_type, 0.0)
+
+
+def compute_for(table: ProfileTable, cluster: str) -> ComputeSpec:
+    """The compute the solver prices recompute and the update with: a table that records it (``peak_tflops`` in its
+    meta), else the built-in cluster ``cluster``'s (lins.cluster / --cluster)."""
+    meta, base = table.meta, get_cluster(cluster).compute()
+    if "peak_tflops" not in meta:
+        return base
+    return ComputeSpec(float(meta["peak_tflops"]), float(meta.get("achievable_mfu", base.achievable_mfu)),
+                       float(meta.get("memory_bandwidth_gbs", base.memory_bandwidth_gbs)))
+
+
+def without_offload_first(mode: str, without: Callable, with_offload: Callable, no_fit: tuple):
+    """lins.offload's one policy, for every caller. "auto" offers offload only where no GPU-resident plan fits (it
+    costs step time, and measuring the host costs start-up time): ``without()`` -> (result, fits) first, then, only
+    if that raised one of ``no_fit`` or does not fit, ``with_offload()`` (None: no offload can run here, and the
+    GPU-resident result stands, or its error is raised). "off" and "fixed" make one call, to the one they name."""
+    if mode == "off":
+        return without()[0]
+    if mode != "auto":
+        return with_offload()
+    try:
+        result, fits = without()
+        if fits:
+            return result
+    except no_fit as e:
+        result = e
+    out = with_offload()
+    if out is not None:
+        return out
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def check_placement(spec: OffloadSpec, layout, topo: Topology) -> None:
+    """A fixed placement the layout cannot carry: one error naming the key."""
+    if spec.mode == "off":
+        return
+    if not spec.grad_choices(layout, topo.world_size):
+        raise PlanError(f"lins.offload.g: \"cpu\" keeps gradients on the host, which needs G sharded over every rank "
+                        f"(no replica AllReduce after the ReduceScatter); {layout} shards G {layout.g.size} ways on "
+                        f"{topo.world_size} ranks")
+    if not spec.param_choices(layout):
+        raise PlanError(f"lins.offload.p: \"cpu\" keeps parameters on the host, which needs s_p = s_os (the host "
+                        f"optimizer writes the P chunk; no P-sync); {layout} has s_p {layout.p.size}, s_os "
+                        f"{layout.os.size}")
+
+
+@dataclass(frozen=True)
+class SolveContext:
+    """Everything the solver is given (the engine keeps its start-up one: the memory guard re-solves with it, the
+    tuner's candidates come from its ``solution``)."""
+
+    model: object
+    topo: Topology
+    train: TrainingSpec
+    mem: MemorySpec
+    table: ProfileTable
+    compute: ComputeSpec
+    layouts: list
+    objective: str
+    activations: Optional[ActivationProfile]
+    activations_note: str = "formula"
+    offload: OffloadSpec = OffloadSpec()
+    solution: object = None  # the Solution it gave (every feasible plan: the tuner's candidates)
+
+    def solve(self, capacity_gb: Optional[float] = None):
+        mem = self.mem if capacity_gb is None else MemorySpec(capacity_gb, self.mem.reserved_gb, self.mem.fragmentation)
+        return solve(self.model, self.topo, self.train, mem, self.table, self.compute, layouts=self.layouts,
+                     objective=self.objective, activations=self.activations, offload=self.offload)
+
+    def placements(self, layout) -> list:
+        """(G on the host, P on the host) pairs this offload allows under ``layout`` (a fixed one it cannot carry:
+        an error naming the key)."""
+        check_placement(self.offload, layout, self.topo)
+        return self.offload.placements(layout, self.topo.world_size)
+
+    def evaluate(self, layout, ckpt_units: int, offload_units: int = 0, place: Optional[tuple] = None):
+        """The plan of ``layout`` with ``ckpt_units`` checkpointed and ``offload_units`` offloaded, their gradients and
+        parameters on the host or not (``place``; None: where the offload allows and the solver prefers)."""
+        choices = [place] if place is not None else self.placements(layout) if offload_units else [(False, False)]
+        return best_placement([evaluate(self.topo, layout, ckpt_units, self.model, self.train, self.mem, self.table,
+                                        self.compute, self.objective, self.activations, offload_units=offload_units,
+                                        offload=self.offload, offload_grads=g, offload_params=p) for g, p in choices])
+
+    def fewest_offloaded(self, layout, ckpt_units: int) -> Evaluation:
+        """The fastest of the fewest offloaded units that fit, per placement of their gradients and parameters."""
+        e, _ = fewest_offloaded_placed(lambda o, place: self.evaluate(layout, ckpt_units, o, place),
+                                       self.offload.choices(len(self.model.unit_params())), self.placements(layout))
+        return e
