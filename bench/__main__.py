@@ -7,10 +7,19 @@ import sys
 
 
 def _profile(args) -> int:
-    """``lins-ds profile`` with the host's speed in the table's meta, where the simulator finds it."""
+    """``lins-ds profile`` with the host's speed in the table's meta, where the simulator finds it; with
+    ``--compute`` this GPU's compute table instead (bench/compute_profile.py)."""
     import os
 
     from lins_ds.tools.profile_cli import run
+
+    if args.compute:
+        from lins_ds.profiler.cache import default_dir
+
+        from . import compute_profile
+
+        return compute_profile.main(["--out", args.out or compute_profile.default_path(default_dir())]
+                                    + (["--quick"] if args.quick else []))
 
     from .host import slowest_rank
 
@@ -51,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="lins-ds profile, recording the host's speed for the simulator (every "
                        "rank, under torchrun -m bench profile)")
     add_profile_arguments(p)
+    p.add_argument("--compute", action="store_true", help="instead: measure this GPU's compute table (GEMMs by size, "
+                   "GEMMs of linear layers of a width off a multiple of 8, attention by sequence length, bandwidth, "
+                   "and a few whole decoder layers timed as training runs them: the table's in-training factor; one "
+                   "process) for the simulator's shape model")
     p.set_defaults(func=_profile)
     c = sub.add_parser("init-cost", help="start-up cost of lins.init eager against per_module, on the CPU")
     c.add_argument("--model", default="7b", help="comma-separated built-in LLaMA names")

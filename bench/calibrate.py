@@ -64,7 +64,7 @@ import warnings
 
 from .fit import nnls
 from .simulate import FETCH_SYSTEMS, SYSTEMS, Overheads, StepTerms, system_terms
-from lins_ds.plan.compute_model import ComputeTable, in_training_factor
+from bench.compute_model import ComputeTable, in_training_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_OF = {"nocomm": "zero0", "lins_as_zero3": "lins", "lins-budget": "lins"}  # bench modes -> systems

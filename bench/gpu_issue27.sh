@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27 (the simulator's compute from the model's shape) on one H200 (device tool, nvidia-h200), DeepSpeed 0.19.8
 # from .whl (carry it). Usage: OUT=<dir> bash bench/gpu_issue27.sh
-#  1. the compute table of this GPU: python -m lins_ds.profiler.compute (GEMMs, attention, bandwidth)
+#  1. the compute table of this GPU: python -m bench.compute_profile (GEMMs, attention, bandwidth)
 #  2. a grid of LLaMA shapes (bench/models/shape-*.json; hidden 1024-5120, seq 1024-8192, micro-batch 1-4, with
 #     and without every layer checkpointed), each under DeepSpeed ZeRO-1 and Lins, 6 steps (median of the last 4),
 #     gas 1, bf16, AdamW; the reference shape (h1024, seq 2048, mb 4) first and again last: a slower machine
@@ -39,7 +39,7 @@ OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 keep() { tar -rf "$OUT/issue27.tar" -C "$OUT" "$@" && (cd "$OUT" && rm -f "$@"); }
 if [ -z "${ONLY:-}" ] && { [ "${GRID:-1}" = 1 ] || [ "${GRID:-1}" = 17 ] || [ "${GRID:-1}" = 18 ]; }; then
-  timeout 240 python -m lins_ds.profiler.compute --out "$OUT/compute_h200.json" 2>&1 | tail -1 | tee -a "$OUT/log.txt"
+  timeout 240 python -m bench.compute_profile --out "$OUT/compute_h200.json" 2>&1 | tail -1 | tee -a "$OUT/log.txt"
   keep compute_h200.json
 fi
 run() {  # run <name> <mode> <model> <seq> <mb> [--checkpointing]

@@ -3,7 +3,7 @@ and its kernels split by kind, next to what the shape compute model prices (issu
 
 A training step's time mixes the layers' kernels with the host, the optimizer and fixed costs, which the simulator's
 fit has to tell apart. One Hugging Face ``LlamaDecoderLayer`` of each shape (the grid's, the 2.9B job's, the 1B and
-7B runs'), run back to back as training queues it (``lins_ds.profiler.compute.layer_table``), shows the compute
+7B runs'), run back to back as training queues it (``bench.compute_profile.layer_table``), shows the compute
 term alone: its GEMMs, its attention and the rest (the memory-bound kernels), each against the model's price at the
 table's rates.
 
@@ -23,7 +23,7 @@ import statistics
 from dataclasses import replace
 
 from lins_ds.plan import TrainingSpec, load_model
-from lins_ds.plan.compute_model import ComputeTable, in_training_factor, step_compute
+from bench.compute_model import ComputeTable, in_training_factor, step_compute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = os.path.join(ROOT, "bench/results/simulate/shapes")
@@ -63,7 +63,7 @@ def _layer_shape(model: str, seq: int, mb: int) -> tuple:
 def measure(out: str) -> int:
     import torch
 
-    from lins_ds.profiler import compute
+    from bench import compute_profile as compute
 
     device = torch.device("cuda", torch.cuda.current_device())
     os.makedirs(out, exist_ok=True)

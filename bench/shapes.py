@@ -1,4 +1,4 @@
-"""``python -m bench shapes``: the shape compute model (``lins_ds.plan.compute_model``) held to one-GPU runs of LLaMA
+"""``python -m bench shapes``: the shape compute model (``bench/compute_model.py``) held to one-GPU runs of LLaMA
 shapes it was not fitted on (issue 27).
 
 Each run (a ``bench/train.py`` JSON: ZeRO-1 or Lins on one GPU, gas 1) is priced from its shape with the device's
@@ -33,7 +33,7 @@ import statistics
 import numpy as np
 
 from lins_ds.plan import ComputeSpec, TrainingSpec, load_model
-from lins_ds.plan.compute_model import ComputeTable, in_training_factor, step_compute
+from bench.compute_model import ComputeTable, in_training_factor, step_compute
 from lins_ds.plan.solver import optimizer_seconds
 
 from .fit import nnls
@@ -275,7 +275,7 @@ def clock_lines(dirs: list, warmup: int = 4) -> list:
 
 def add_arguments(p) -> None:
     p.add_argument("dirs", nargs="+", help="folders of bench/train.py JSONs named <shape>_<system>.json")
-    p.add_argument("--compute", required=True, help="the device's compute table (python -m lins_ds.profiler.compute)")
+    p.add_argument("--compute", required=True, help="the device's compute table (python -m bench.compute_profile)")
     p.add_argument("--out", help="write the analysis as JSON here")
     p.add_argument("--clocks", action="store_true", help="also each run's step spread next to the GPU clock log "
                    "beside it (bench/gpu_issue27.sh writes one), over the steps after each run's warm-up")

@@ -156,7 +156,7 @@ class Overheads:
         """``base`` with this calibration's compute model: the shape model at its fitted factor, where it has one."""
         if self.compute_table is None:
             return base
-        from lins_ds.plan.compute_model import ComputeTable
+        from bench.compute_model import ComputeTable
 
         return replace(base, table=ComputeTable.from_json(self.compute_table), achievable_mfu=self.compute["shape"])
 
@@ -306,7 +306,7 @@ def layer_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec) -
     (0, 0) without the shape model (which is also the only one with a host cost per layer pass)."""
     if compute.table is None:
         return 0.0, 0.0
-    from lins_ds.plan.compute_model import step_compute
+    from bench.compute_model import step_compute
 
     one = step_compute(model, replace(train, grad_accum=1), compute.table)
     return one.layer_forward_s / compute.achievable_mfu, one.layer_backward_s / compute.achievable_mfu

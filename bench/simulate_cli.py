@@ -48,7 +48,7 @@ def add_arguments(si) -> None:
     si.add_argument("--validate", nargs="+", metavar="BENCH_JSON", help="predicted next to measured step, "
                     "communication and peak memory for the runs in these bench results, with the fitted terms")
     si.add_argument("--compute-table", help="with --fit: price compute from each model's shape with this device's "
-                    "measured table (lins-ds profile --compute; bench/compute_tables/), one factor for every model, "
+                    "measured table (python -m bench profile --compute; bench/compute_tables/), one factor for every model, "
                     "instead of one efficiency per model")
     si.add_argument("--out", help="with --fit: where to write the profile with the fitted terms")
     si.add_argument("--systems", default="zero1,zero2,zero3,zeropp,mics,lins")
@@ -150,7 +150,7 @@ def _shape_compute(args, overheads, terms_from: str) -> tuple:
     --cluster's built-in table (bench/compute_tables/), at the calibration's factor (measured or fitted)."""
     import os
 
-    from lins_ds.plan.compute_model import ComputeTable
+    from bench.compute_model import ComputeTable
 
     name = args.cluster or overheads.cluster or "h200-emulated"
     cluster = P.get_cluster(name)
@@ -160,7 +160,7 @@ def _shape_compute(args, overheads, terms_from: str) -> tuple:
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compute_tables", f"{name}.json")
         if not os.path.exists(path):
             raise P.PlanError(f"--cluster {name}: no built-in compute table (bench/compute_tables/); measure one "
-                              "(lins-ds profile --compute) and fit with it")
+                              "(python -m bench profile --compute) and fit with it")
         table = ComputeTable.load(path)
     factor = overheads.compute["shape"]
     compute = replace(cluster.compute(), table=table, achievable_mfu=factor)
@@ -208,7 +208,7 @@ def run_fit(args) -> int:
         cluster = args.cluster or "h200-emulated"
         compute = P.get_cluster(cluster).compute()
         if args.compute_table:
-            from lins_ds.plan.compute_model import ComputeTable
+            from bench.compute_model import ComputeTable
 
             compute = replace(compute, table=ComputeTable.load(args.compute_table), achievable_mfu=1.0)
         overheads = fitting.fit(runs, tables, compute, source=", ".join(args.fit), cluster=cluster)

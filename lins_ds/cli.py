@@ -62,10 +62,6 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                     "on their real groups and report prediction error")
     p.add_argument("--memory", action="store_true", help="also measure the activation memory of --model (one "
                     "layer unit and the head, as the engine does at start-up) and cache it beside the profiles")
-    p.add_argument("--compute", action="store_true", help="instead: measure this GPU's compute table (GEMMs by size, "
-                   "GEMMs of linear layers of a width off a multiple of 8, "
-                   "attention by sequence length, bandwidth, and a few whole decoder layers timed as training runs "
-                   "them: the table's in-training factor; one process) for the simulator's shape model")
     p.add_argument("--model", default="llama-1b", help="with --validate / --memory: the model (a built-in name)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="with --memory")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -148,14 +144,11 @@ def _quiet_cpu_accelerator() -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     import torch
 
+    if args.compute:
+        raise SystemExit("lins-ds profile: --compute (the simulator's compute table) moved out of the package: run "
+                         "python -m bench profile --compute from the repository root")
     if not torch.cuda.is_available():
         _quiet_cpu_accelerator()
-    if getattr(args, "compute", False):
-        from .profiler import compute
-        from .profiler.cache import default_dir
-
-        return compute.main(["--out", args.out or compute.default_path(default_dir())]
-                            + (["--quick"] if args.quick else []))
     from .tools.profile_cli import run
 
     return run(args)
@@ -227,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
     pr = sub.add_parser("profile", help="measure collective bandwidth per mesh (run on every rank under torchrun)")
     add_profile_arguments(pr)
+    pr.add_argument("--compute", action="store_true", help=argparse.SUPPRESS)  # moved to bench: said so below
     pr.set_defaults(func=cmd_profile)
     c = sub.add_parser("consolidate", help="full weights from a Lins checkpoint as HF safetensors")
     c.add_argument("ckpt_dir")

@@ -119,10 +119,10 @@ def test_what_overlapped_communication_still_costs_is_told_from_what_is_exposed(
 
 
 def test_a_table_with_timed_layers_holds_the_compute_factor_it_measured(tmp_path):
-    """A compute table whose layers were timed (``lins-ds profile --compute``) measured the shape model's factor
+    """A compute table whose layers were timed (``python -m bench profile --compute``) measured the shape model's factor
     itself: the fit holds it and fits the per-system terms on top, Lins' optimizer step and DeepSpeed's (fp32 master
     weights, every gradient copied into them) each with its own update factor."""
-    from lins_ds.plan.compute_model import ComputeTable, in_training_factor
+    from bench.compute_model import ComputeTable, in_training_factor
 
     table = ComputeTable.load(os.path.join(ROOT, "bench/results/simulate/shapes/call20/layers/compute.json"))
     f = in_training_factor(table)
@@ -353,7 +353,7 @@ def test_the_shape_model_fits_one_factor_for_every_model_and_prices_a_model_it_n
     import os
     from dataclasses import replace as with_
 
-    from lins_ds.plan.compute_model import ComputeTable
+    from bench.compute_model import ComputeTable
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shapes = os.path.join(root, "bench/results/simulate/shapes")
@@ -375,7 +375,7 @@ def test_what_a_checkpointed_layer_costs_the_host_is_told_from_a_plain_pass():
     """A checkpointed layer's forward and recompute each cost the host more than a plain pass (the checkpoint's
     hooks; bench/results/simulate/shapes/call17 measured it): the grid's host-bound shapes, with and without
     checkpointing, tell that cost from each system's per-pass one, and the wide shapes from the compute factor."""
-    from lins_ds.plan.compute_model import ComputeTable
+    from bench.compute_model import ComputeTable
 
     shapes = os.path.join(ROOT, "bench/results/simulate/shapes")
     runs = C.load_all([os.path.join(shapes, f"call{i}") for i in (1, 2, 3, 4)])
@@ -406,7 +406,7 @@ def test_a_host_cost_per_layer_once_a_step_is_told_from_one_per_micro_batch(tmp_
     the update and the fixed cost."""
     import os
 
-    from lins_ds.plan.compute_model import ComputeTable
+    from bench.compute_model import ComputeTable
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     table = ComputeTable.load(os.path.join(root, "bench/results/simulate/shapes/call1/compute_h200.json"))

@@ -1,4 +1,4 @@
-"""The shape compute model (lins_ds/plan/compute_model.py, issue 27): a step's compute priced from the model's shape
+"""The shape compute model (bench/compute_model.py, issue 27): a step's compute priced from the model's shape
 with a device's measured table, and held to one-GPU runs of shapes it was not fitted on (python -m bench shapes)."""
 
 import json
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from lins_ds.plan import PlanError, TrainingSpec, load_model
-from lins_ds.plan.compute_model import ComputeTable, step_compute
+from bench.compute_model import ComputeTable, step_compute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = os.path.join(ROOT, "bench/results/simulate/shapes")
@@ -80,7 +80,7 @@ def test_the_profiler_times_a_linear_layer_s_gemms_as_autograd_runs_them():
     are those ``torch.nn.functional.linear`` and its backward compute."""
     import torch
 
-    from lins_ds.profiler.compute import _linear_gemms
+    from bench.compute_profile import _linear_gemms
 
     torch.manual_seed(0)
     x, w, dy = torch.randn(16, 24, dtype=torch.float64), torch.randn(33, 24, dtype=torch.float64), torch.randn(
@@ -98,7 +98,7 @@ def test_the_profiler_measures_a_table_the_model_reads(tmp_path):
     """On a CPU the profiler runs its tiny sizes: the same code and format as on a GPU."""
     import torch
 
-    from lins_ds.profiler import compute
+    from bench import compute_profile as compute
 
     table = compute.measure(torch.device("cpu"), torch.float32, quick=True)
     path = str(tmp_path / "compute.json")
@@ -121,7 +121,7 @@ def test_the_in_training_factor_is_what_timed_layers_took_over_their_price():
     a table without them (measured before they were) takes the isolated kernels' rates as they are."""
     from dataclasses import replace
 
-    from lins_ds.plan.compute_model import in_training_factor, layer_price_s
+    from bench.compute_model import in_training_factor, layer_price_s
 
     table = ComputeTable.load(H200)
     assert in_training_factor(table) == 1.0
@@ -191,7 +191,7 @@ def test_the_h200_runs_a_misaligned_lm_head_at_a_fraction_of_the_aligned_rate():
     """The built-in H200 table's misaligned GEMMs (call 28: ten linear layers, each GEMM timed beside its aligned
     twin): odd widths at 0.12-0.21 of the aligned rate (about 95-150 TFLOP/s, where the twins run at 640-820), widths
     that are multiples of 2 or 4 at 0.28-0.37 (200-280 TFLOP/s)."""
-    from lins_ds.plan.compute_model import _alignment
+    from bench.compute_model import _alignment
 
     table = ComputeTable.load(os.path.join(ROOT, "bench/compute_tables/h200-emulated.json"))
     assert len(table.misaligned) == 30
@@ -242,7 +242,7 @@ def test_the_memory_bound_bytes_are_those_hugging_face_layers_move():
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
-    from lins_ds.plan.compute_model import ELEMENTWISE_BYTES, FUSED_BYTES, HEAD_BYTES
+    from bench.compute_model import ELEMENTWISE_BYTES, FUSED_BYTES, HEAD_BYTES
     from lins_ds.plan.model import ModelSpec
 
     # widths apart, intermediate-to-hidden ratios apart (2, 4, 2.7), KV heads, depths and vocabularies; a Qwen3 with
@@ -287,7 +287,7 @@ def test_a_phi3_layer_moves_exactly_the_fused_bytes_more_than_a_llama_layer():
     apart."""
     from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
-    from lins_ds.plan.compute_model import FUSED_BYTES
+    from bench.compute_model import FUSED_BYTES
 
     for h, i, heads, kv in ((256, 1024, 4, 4), (640, 1280, 10, 5)):
         extra = []
@@ -333,7 +333,7 @@ def test_models_of_other_families_on_one_h200(capsys):
     from dataclasses import replace
 
     from bench.__main__ import main
-    from lins_ds.plan.compute_model import step_compute as priced
+    from bench.compute_model import step_compute as priced
 
     cal = os.path.join(ROOT, "bench/results/simulate/calibrated_shape/profile_1host.json")
     calls = [os.path.join(SHAPES, f"call{i}") for i in (24, 25, 27, 28, 29)]

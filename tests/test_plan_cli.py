@@ -152,3 +152,8 @@ def test_plan_from_a_profile_predicts_what_the_engine_predicts(tmp_path, capsys,
     for key in ("plan", "activation_checkpointing_units", "memory_gb_per_gpu", "memory_breakdown_gb",
                 "predicted_recompute_s_per_step", "predicted_optimizer_s_per_step", "objective_s_per_step"):
         assert got[key] == want[key], (key, got[key], want[key])
+
+
+def test_the_compute_table_profiler_moved_to_bench_and_lins_ds_says_where():
+    with pytest.raises(SystemExit, match="python -m bench profile --compute"):
+        main(["profile", "--compute"])

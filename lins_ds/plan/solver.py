@@ -44,8 +44,9 @@ class ComputeSpec:
     peak_tflops: float = 312.0
     achievable_mfu: float = 0.5
     memory_bandwidth_gbs: float = 1200.0  # achieved by the element-wise optimizer update
-    # a device's measured compute table (``compute_model.ComputeTable``): compute priced from the model's shape,
-    # ``achievable_mfu`` then the fraction of the table's rates a whole step achieves (1: as fast as measured)
+    # a device's measured compute table (bench/compute_model.py's ``ComputeTable``, whose ``step_compute`` prices
+    # compute from the model's shape), ``achievable_mfu`` then the fraction of the table's rates a whole step
+    # achieves (1: as fast as measured). The simulator's; the engine prices by FLOPs.
     table: Optional[object] = None
 
     @property
@@ -187,10 +188,8 @@ OBJECTIVES = ("step", "comm")
 def compute_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int) -> tuple:
     """(forward, backward) compute of one micro-batch; backward is twice the forward plus the recompute of
     the checkpointed units."""
-    if compute.table is not None:  # the shape model (lins_ds/plan/compute_model.py)
-        from .compute_model import step_compute
-
-        one = step_compute(model, replace(train, grad_accum=1), compute.table, ckpt_units)
+    if compute.table is not None:  # the shape model (bench/compute_model.py)
+        one = compute.table.step_compute(model, replace(train, grad_accum=1), ckpt_units)
         return one.forward_s / compute.achievable_mfu, (one.total_s - one.forward_s) / compute.achievable_mfu
     tokens = train.tokens_per_micro_batch
     fwd = tokens * model.flops_per_token(train.seq_len) / 3 / compute.flops_per_s

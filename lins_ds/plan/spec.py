@@ -11,6 +11,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DTYPES = tuple(DTYPE_BYTES)  # the dtype names used everywhere: lins_ds/dtypes.py maps them to torch
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8}  # exp_avg + exp_avg_sq in fp32
 GIB = 2**30
+ALIGN_BYTES = 16  # cuBLAS's fast bf16 GEMM kernels need widths in multiples of 16 bytes (8 elements)
 
 
 def _positive_int(key: str, value) -> None:

@@ -24,8 +24,8 @@ from ..plan.offload import HostSpec, OffloadSpec, ladder, widened
 from ..plan.solver import NoFeasiblePlan, _gib
 from ..plan import cost, report
 from ..plan.layout import needs_unsorted_groups
-from ..plan.compute_model import ALIGN_BYTES
 from ..plan.memory import ActivationProfile
+from ..plan.spec import ALIGN_BYTES
 from ..plan.model import from_hf_config, measured
 from . import offload, recompute
 from .assign import assign_units, find_layers
@@ -458,7 +458,7 @@ def gemm_dtype(engine, param_dtype: str) -> torch.dtype:
 def misaligned_note(module: torch.nn.Module, dtype: torch.dtype) -> str:
     """A line for the start-up summary naming the linear layers with a width that is not a multiple of 16 bytes (8
     bf16 elements): an LM head over an odd vocabulary, as ``resize_token_embeddings`` leaves one added token. cuBLAS
-    runs their GEMMs on slower kernels; the shape compute model prices them so (``compute_model.ALIGN_BYTES``). Layers
+    runs their GEMMs on slower kernels; the shape compute model prices them so (bench/compute_model.py). Layers
     holding under 0.1 % of the linear layers' weights (a LoRA adapter of rank 4) are not worth padding and go
     unnamed. Empty where there are none."""
     align = ALIGN_BYTES // dtype.itemsize  # ``dtype``: the GEMMs' (``gemm_dtype``)

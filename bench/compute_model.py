@@ -9,7 +9,7 @@ not a multiple of 8, as GPT-2's LM head over 50257 tokens, at the rate the table
 times slower), attention at its measured
 rate for the sequence length and head width, the element-wise work by the bytes Hugging Face's layers move through
 it (``ELEMENTWISE_BYTES``, counted op by op) at the measured bandwidth. A checkpointed layer runs its forward twice.
-The table comes from ``python -m lins_ds.profiler.compute`` (``lins-ds profile --compute``), which also times a few
+The table comes from ``python -m bench.compute_profile`` (``python -m bench profile --compute``), which also times a few
 whole layers as training queues them: what they took over this model's price is the table's in-training factor
 (``in_training_factor``), the share of a step's kernels the isolated rates miss. On one H200 a layer's GEMMs take
 0.58-0.93 of their isolated time among other kernels (median 0.79) and its element-wise kernels reach about 63 %
@@ -27,9 +27,9 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from .model import ModelSpec
-from .spec import TrainingSpec
-from .topology import PlanError
+from lins_ds.plan.model import ModelSpec
+from lins_ds.plan.spec import ALIGN_BYTES, TrainingSpec
+from lins_ds.plan.topology import PlanError
 
 FORMAT = "lins_ds.compute/1"
 # bytes each token moves through the memory-bound kernels of one layer, per unit of the (hidden, intermediate, kv)
@@ -63,7 +63,6 @@ HEAD_BYTES = {"llama": {"hidden": (38, 97), "logit": (20, 28)}, "gpt2": {"hidden
 # cuBLAS runs a bf16 GEMM on its fastest kernels only where the widths it strides over are multiples of 8 elements
 # (16 bytes); a linear layer with an odd width (GPT-2's vocabulary of 50257) falls back to slower ones, priced by the
 # table's "misaligned" entries
-ALIGN_BYTES = 16
 ALIGN = ALIGN_BYTES // 2  # elements of a bf16 / fp16 GEMM, the tables' dtype
 ROLES = ("forward", "input_grad", "weight_grad")  # a linear layer's three GEMMs
 LAYER_KEYS = ("hidden", "intermediate", "heads", "kv_heads", "seq", "micro_batch", "seconds")
@@ -94,6 +93,10 @@ class ComputeTable:
     # ((m, n, k, role, tflops, aligned_tflops), ...): a linear layer's GEMMs (m tokens, n out and k in features, one
     # not a multiple of ALIGN) next to the same GEMM at aligned widths, timed together
     misaligned: tuple = ()
+
+    def step_compute(self, model: ModelSpec, train: TrainingSpec, ckpt_units: int = 0) -> "StepCompute":
+        """``step_compute`` with this table: what the solver calls where ``ComputeSpec.table`` is one."""
+        return step_compute(model, train, self, ckpt_units)
 
     @classmethod
     def from_json(cls, obj: dict, origin: str = "compute table") -> "ComputeTable":
@@ -204,7 +207,7 @@ def layer_price_s(table: ComputeTable, hidden: int, intermediate: int, heads: in
 
 def in_training_factor(table: ComputeTable) -> float:
     """How much longer whole layers took than the shape model prices them from the rest of ``table`` (the median
-    over its timed layers; ``lins-ds profile --compute`` times them as training queues them): kernels among
+    over its timed layers; ``python -m bench profile --compute`` times them as training queues them): kernels among
     other kernels, not alone. 1.0 for a table without timed layers (measured before they were, or without
     transformers)."""
     if not table.layers:

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..plan.compute_model import ALIGN, LAYER_KEYS, ROLES, ComputeTable, in_training_factor
+from bench.compute_model import ALIGN, LAYER_KEYS, ROLES, ComputeTable, in_training_factor
 
 FORMAT = "lins_ds.compute/1"
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -255,7 +255,7 @@ def measure(device: torch.device, dtype: torch.dtype = torch.bfloat16, quick: bo
 
 
 def default_path(directory: str) -> str:
-    """Where ``lins-ds profile --compute`` caches this device's table (beside the collective profiles)."""
+    """Where ``python -m bench profile --compute`` caches this device's table (beside the collective profiles)."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return os.path.join(directory, "compute-" + "".join(c if c.isalnum() else "-" for c in name).lower() + ".json")
 
@@ -269,7 +269,7 @@ def save(table: dict, path: str) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lins_ds.profiler.compute", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.compute_profile", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="where to write the compute table (JSON)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
     args = p.parse_args(argv)
