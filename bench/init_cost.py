@@ -15,7 +15,7 @@ def measure(model: str, seq_len: int = 2048) -> dict:
     import transformers
 
     import lins_ds
-    from lins_ds.runtime.materialize import REPLAY
+    from lins_ds.runtime.startup.materialize import REPLAY
     from lins_ds.tools.llama import llama_config
 
     config = llama_config(model, seq_len)

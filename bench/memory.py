@@ -42,7 +42,7 @@ def partial_budget(args, ngpu: int) -> tuple:
     from lins_ds.plan import MemorySpec, Topology, TrainingSpec, load_model
     from lins_ds.plan.memory import memory
     from lins_ds.plan.topology import Factor, Layout
-    from lins_ds.runtime import memory_probe
+    from lins_ds.runtime.memory import memory_probe
     from lins_ds.tools.llama import llama_config
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

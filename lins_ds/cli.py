@@ -171,7 +171,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     """The decisions ``"plan": "tune"`` cached: one per job (launch, model shape, batch, dtypes, budget)."""
     _quiet_cpu_accelerator()
-    from .runtime import tune
+    from .runtime.switch import tune
 
     directory = args.dir or tune.cache_dir(argparse.Namespace(profile_cache=None))
     found = tune.list_decisions(directory)

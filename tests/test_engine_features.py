@@ -8,7 +8,7 @@ import torch
 import lins_ds  # noqa: F401
 from helpers import (GPUS_PER_NODE, MODELS, WORLD, allow_fp16_on_this_cpu, bad_config, batch, config, max_err,
                      param_groups, reference, run, state, tiny_llama, train)
-from lins_ds.runtime.unit import ParamState
+from lins_ds.runtime.step.unit import ParamState
 from test_engine_parity import ALL_PLANS
 
 transformers = pytest.importorskip("transformers")
@@ -198,7 +198,7 @@ def test_the_model_s_checkpoint_function_outlives_a_plan_that_turns_its_layers_o
     import functools
     import inspect
 
-    from lins_ds.runtime import recompute
+    from lins_ds.runtime.step import recompute
 
     enable = getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", None)
     if enable is None or "activation_checkpointing_kwargs" not in inspect.signature(enable).parameters:
@@ -491,7 +491,7 @@ def wrong_transitions():
     """Transitions asked of units in states they do not start from are refused, naming unit and states."""
     import deepspeed
 
-    from lins_ds.runtime.unit import GradState, UnitStateError
+    from lins_ds.runtime.step.unit import GradState, UnitStateError
 
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),

@@ -12,13 +12,13 @@ import torch
 
 import lins_ds  # noqa: F401
 from helpers import ROOT, run
-from lins_ds.runtime.unit import ParamState
+from lins_ds.runtime.step.unit import ParamState
 
 SYNCING = ParamState.SYNCING
 
 LINS_SCRIPT = '''
 import deepspeed, torch, lins_run_probe
-from lins_ds.runtime.unit import ParamState
+from lins_ds.runtime.step.unit import ParamState
 SYNCING = ParamState.SYNCING
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])

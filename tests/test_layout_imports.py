@@ -16,6 +16,10 @@ PKG = os.path.dirname(lins_ds.__file__)
 LAYERS = [{"plan", "version"}, {"comm", "dtypes"}, {"profiler"}, {"runtime"}, {"checkpoint"}, {"integrations"},
           {"cli", "run", "tools", "__init__"}]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+# runtime/ in rooms by role, each importing only rooms before it: what every room reads (errors, the config), the
+# step machinery, memory (probe, guard), start-up, the owner of a plan's runtime (runtime.runtime), switching plans
+ROOMS = [{"errors", "config"}, {"step"}, {"memory"}, {"startup"}, {"runtime"}, {"switch"}]
+ROOM_RANK = {name: i for i, room in enumerate(ROOMS) for name in room}
 
 
 def part_of(module: str) -> str:
@@ -62,6 +66,26 @@ def test_imports_go_one_way():
                 if theirs in RANK and RANK[theirs] > RANK[mine]:
                     bad.append(f"{module} imports {target}")
     assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def room_of(module: str) -> str:
+    """The room of a ``lins_ds.runtime.<room>[.x]`` module ('' for the package itself)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_runtime_rooms_import_only_rooms_before_them():
+    bad, rooms = [], set()
+    for path, module in modules():
+        if part_of(module) != "runtime" or not room_of(module):
+            continue
+        mine = room_of(module)
+        rooms.add(mine)
+        for target in imports(path, module):
+            if target.startswith("lins_ds.runtime.") and ROOM_RANK.get(room_of(target), -1) > ROOM_RANK[mine]:
+                bad.append(f"{module} imports {target}")
+    assert rooms == set(ROOM_RANK), rooms ^ set(ROOM_RANK)  # every module of runtime/ is in a room
+    assert not bad, "imports into a later room:\n" + "\n".join(bad)
 
 
 def test_every_part_has_a_layer():
@@ -165,9 +189,21 @@ def picture() -> str:
     edges = sorted({(part[a], part[b]) for a, bs in g.items() for b in bs if part[a] != part[b]})
     lines = [BEGIN, "```mermaid", "flowchart BT"]
     lines += [f"  {a.strip('_')} --> {b.strip('_')}" for a, b in edges]
-    lines += ["```", "", "| part (layer) | module | imports |", "|---|---|---|"]
-    for m in sorted(g, key=lambda m: (RANK[part[m]], m)):
-        lines.append(f"| {part[m]} ({RANK[part[m]]}) | `{m}` | {', '.join(g[m]) or '-'} |")
+    rooms = {room_of("lins_ds." + m) for m in g if part[m] == "runtime"} - {""}
+    inner = sorted({(room_of("lins_ds." + a), room_of("lins_ds." + b)) for a, bs in g.items() if part[a] == "runtime"
+                    for b in bs if part[b] == "runtime" and room_of("lins_ds." + b) != room_of("lins_ds." + a)
+                    and room_of("lins_ds." + a) and room_of("lins_ds." + b)})
+    lines += ["```", "", "runtime/'s rooms (`runtime.runtime` is the owner, `errors` and `config` what every room "
+              "reads):", "", "```mermaid", "flowchart BT"]
+    lines += [f"  {a} --> {b}" for a, b in inner] + [f"  {r}" for r in sorted(rooms) if not any(r in e for e in inner)]
+    lines += ["```", "", "| part (layer) / room | module | imports |", "|---|---|---|"]
+    def where(m):
+        room = room_of("lins_ds." + m) if part[m] == "runtime" else ""
+        return (RANK[part[m]], ROOM_RANK.get(room, -1), m), f"{part[m]} ({RANK[part[m]]})" + (
+            f" / {room} ({ROOM_RANK[room]})" if room in ROOM_RANK else "")
+
+    for m in sorted(g, key=lambda m: where(m)[0]):
+        lines.append(f"| {where(m)[1]} | `{m}` | {', '.join(g[m]) or '-'} |")
     return "\n".join(lines + [END])
 
 

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def probe_tiny(dtype=torch.float32, meta=False):
-    from lins_ds.runtime import memory_probe
+    from lins_ds.runtime.memory import memory_probe
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
                                    num_key_value_heads=4, vocab_size=512, max_position_embeddings=128)
@@ -40,7 +40,7 @@ def test_probe_measures_what_a_layer_and_the_head_keep():
 def test_probe_drops_a_kv_cache_handed_to_the_layer_by_position():
     """GPT-2's blocks take the cache second, positionally: kept, the plain run appended its keys to it and the
     checkpointed run attended to them and failed (on every GPU start-up of a GPT-2 under Lins)."""
-    from lins_ds.runtime import memory_probe
+    from lins_ds.runtime.memory import memory_probe
 
     cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=128)
     for attn in ("sdpa", "eager"):
@@ -98,7 +98,7 @@ def test_a_measured_profile_changes_the_plan_the_formula_would_pick():
 
 
 def test_guard_names_the_excess_and_a_plan_that_fits():
-    from lins_ds.runtime.memory_guard import verdict
+    from lins_ds.runtime.memory.memory_guard import verdict
     from lins_ds.plan.context import SolveContext
 
     topo, model, train, table, compute = _setting()
@@ -217,7 +217,7 @@ def test_the_loss_backward_does_not_hold_the_output_embedding_grad():
 
 
 def test_a_budget_below_the_card_caps_the_allocator(monkeypatch):
-    from lins_ds.runtime import memory_guard
+    from lins_ds.runtime.memory import memory_guard
 
     got = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 140 * 2**30}))

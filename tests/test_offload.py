@@ -150,7 +150,7 @@ def slow_gradient_sums(gas):
     land in the down buffer before the thread has added the one before it."""
     import deepspeed
 
-    from lins_ds.runtime.offload import HostGrads
+    from lins_ds.runtime.step.offload import HostGrads
 
     late_host_sums(HostGrads)
     out = []
@@ -183,7 +183,7 @@ def unclipped_late_sums_without_the_norm():
     skipped the norm would do): the host update must still read every micro-batch's gradient."""
     import deepspeed
 
-    from lins_ds.runtime.offload import HostGrads
+    from lins_ds.runtime.step.offload import HostGrads
 
     late_host_sums(HostGrads)
     HostGrads.square_sum = lambda self: 0.0  # the norm no longer drains the queue
@@ -207,7 +207,7 @@ def slow_host(delay_s=0.05):
     """This rank's host updates start ``delay_s`` late, as on a GPU where they outlast the step's return."""
     import time
 
-    from lins_ds.runtime.offload import HostUpdater
+    from lins_ds.runtime.step.offload import HostUpdater
 
     real = HostUpdater._run
 
@@ -559,7 +559,7 @@ def test_gradients_go_to_the_host_only_where_no_replica_allreduce_follows():
 
 def test_host_gradient_thread_closes_once_and_again():
     """A failed placement closes the host accumulators and the fallback closes them again: no hang, thread gone."""
-    from lins_ds.runtime.offload import HostGrads
+    from lins_ds.runtime.step.offload import HostGrads
 
     grads = HostGrads([], torch.float32, torch.device("cpu"))
     grads.close()
@@ -604,7 +604,7 @@ def test_parameters_on_the_host_lower_the_floor_again():
 def test_a_torch_adam_left_open_steps_device_masters_with_the_fused_kernel():
     """On a GPU, torch's Adam/AdamW with neither ``foreach`` nor ``fused`` given takes the fused kernel; a choice
     the user made is kept, and nothing changes on the CPU or for other optimizers."""
-    from lins_ds.runtime.optimizer import prefer_fused_kernel
+    from lins_ds.runtime.step.optimizer import prefer_fused_kernel
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     p = [torch.nn.Parameter(torch.zeros(2))]

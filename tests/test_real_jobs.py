@@ -85,7 +85,7 @@ def test_seq_len_in_the_config_is_kept():
 # --- weights read right after step() ---------------------------------------------------------------------------
 def _slow_host_updates():
     """The host optimizer takes its time (each piece 20 ms late): a read right after step() would see old values."""
-    from lins_ds.runtime import offload
+    from lins_ds.runtime.step import offload
 
     update = offload.HostUpdater._update
     offload.HostUpdater._update = lambda self, *a: (time.sleep(0.02), update(self, *a))[1]
@@ -302,7 +302,7 @@ def test_zero_grad_inside_a_window_drops_its_gradients_as_deepspeed_does(lins):
 
 
 def test_the_batch_length_is_its_tokens_per_sequence_of_the_micro_batch():
-    from lins_ds.runtime.seq_len import batch_length
+    from lins_ds.runtime.startup.seq_len import batch_length
 
     ids = torch.zeros(2, 512, dtype=torch.long)
     assert batch_length((), {"input_ids": ids}, 2) == 512

@@ -314,7 +314,7 @@ def tune_decisions(tmp, edit):
     """Tune once (the decision cached), damage the decision as ``edit`` says, launch the same job again."""
     from test_tune import CANDIDATES, _engine, _steps, slow_all_reduce_profile, tune_config
 
-    from lins_ds.runtime import tune
+    from lins_ds.runtime.switch import tune
 
     if torch.distributed.get_rank() == 0:
         slow_all_reduce_profile(f"{tmp}/profile.json")
@@ -374,7 +374,7 @@ def host_worker_fails(failing_rank):
     import deepspeed
     from helpers import config, tiny_llama
 
-    from lins_ds.runtime import offload
+    from lins_ds.runtime.step import offload
 
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(

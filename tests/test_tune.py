@@ -106,7 +106,8 @@ def failed_moves(tmp: str):
     """Rank 1 fails part-way through two moves — the second unit it moves to the host (same layout), the first
     unit it builds under another layout — after the other ranks have done theirs: every rank must raise
     RelayoutError and hold exactly the state it had."""
-    from lins_ds.runtime import optimizer as opt_module, relayout
+    from lins_ds.runtime.step import optimizer as opt_module
+    from lins_ds.runtime.switch import relayout
     from lins_ds.runtime import runtime as rt_module
 
     engine = _engine({"plan": {"p": [1, 1], "g": [1, 1], "os": [1, 1]}, "host_optimizer": "torch"})
@@ -259,7 +260,7 @@ def test_tune_measures_a_faster_plan_than_the_solver_predicted_and_trains_as_it_
 def failing_candidates_run(tmp: str) -> dict:
     """Rank 1 measures candidate 1 over the budget; rank 2 cannot build candidate 2 (an allocation failure
     outside any collective). Every rank must drop both and go back to candidate 0."""
-    from lins_ds.runtime import relayout, tune
+    from lins_ds.runtime.switch import relayout, tune
 
     rank = torch.distributed.get_rank()
     peaks, builds = [], []
@@ -391,7 +392,7 @@ def timed_until_settled(tmp: str) -> dict:
     """Each rank's clock says its own step times: rank 1's first steps of every candidate are noisy, rank 0's
     steady. The tuner must time each candidate on the slowest rank's times until their median is known to 3 %,
     and every rank must switch at the same step."""
-    from lins_ds.runtime import tune
+    from lins_ds.runtime.switch import tune
 
     rank = torch.distributed.get_rank()
     noisy = [1.5, 0.7, 1.4, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
@@ -448,7 +449,7 @@ def test_a_candidates_warm_up_steps_are_not_timed(monkeypatch):
     """The first lins.tune.warmup_steps of a candidate are left out of its times (the second step under offload pays
     the first host update: 4.1 s against 1.8 on one H200, bench/results/tune_repeat); fewer steps than the default
     warm-up leave one timed step."""
-    from lins_ds.runtime import tune
+    from lins_ds.runtime.switch import tune
     from lins_ds.runtime.config import parse_lins_config
 
     assert parse_lins_config({"plan": "tune"}).tune.warmup_steps == 2
@@ -465,7 +466,7 @@ def test_a_candidates_warm_up_steps_are_not_timed(monkeypatch):
 
 
 def test_a_moved_step_count_is_what_torch_keeps_whatever_optimizer_held_it():
-    from lins_ds.runtime.optimizer import scalar_state
+    from lins_ds.runtime.step.optimizer import scalar_state
 
     p = torch.zeros(3)
     step = scalar_state(7, p, {})  # DeepSpeedCPUAdam's int

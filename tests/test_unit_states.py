@@ -1,4 +1,4 @@
-"""Every state transition of a unit (lins_ds/runtime/unit.py), as the code has them: a table of
+"""Every state transition of a unit (lins_ds/runtime/step/unit.py), as the code has them: a table of
 (P placement, starting state, operation) -> resulting state, ``UnitStateError`` where ``_expect`` refuses (the
 state then left as it was), or ``no-op`` (state unchanged, no collective issued, no host wait, no hold taken).
 
@@ -148,7 +148,7 @@ def drive(rows):
     """On each rank: every row's outcome, (resulting state or ERR, whether it acted), by row."""
     import deepspeed
     from lins_ds import comm
-    from lins_ds.runtime.unit import UnitStateError
+    from lins_ds.runtime.step.unit import UnitStateError
 
     out = {}
     for name, (lins, facts) in PLACEMENTS.items():
@@ -200,7 +200,7 @@ def test_transition(kind, placement, start, op, want):
 
 def test_the_table_covers_every_reachable_start():
     """Each placement's grid lists every ParamState / GradState it can reach, and every operation for each."""
-    from lins_ds.runtime.unit import GradState, ParamState
+    from lins_ds.runtime.step.unit import GradState, ParamState
 
     starts = lambda grid, pl: {s for p, s, _ in grid if p == pl}  # noqa: E731
     assert starts(P_GRID, "sharded") == {s.value for s in ParamState}

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .. import comm
-from ..runtime.unit import param_shape
+from ..runtime.step.unit import param_shape
 from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, load_pickle, locate, verify_digest
 from .layout_free import DIGESTS, FORMAT, META, digests_of, overlaps, range_key
 from .universal import UniversalReader, convert

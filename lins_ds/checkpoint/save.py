@@ -10,7 +10,7 @@ import shutil
 import torch
 
 from .. import comm
-from ..runtime.unit import param_shape
+from ..runtime.step.unit import param_shape
 from .zero_to_fp32 import write_script
 from .formats import LinsCheckpointError, file_digest, save_file
 from .layout_free import DIGEST_SCHEME, DIGESTS, FORMAT, INCOMPLETE, LATEST, META, OLD, SAVING, checked_tag, range_key

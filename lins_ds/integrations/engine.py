@@ -25,16 +25,18 @@ from ..checkpoint.load import load
 from ..checkpoint.save import save
 from ..plan import Plan
 from ..plan.layout import needs_unsorted_groups
-from ..runtime import memory_guard, recompute, relayout, tune
-from ..runtime.executor import grad_tensors
+from ..runtime.memory import memory_guard
+from ..runtime.step import recompute
+from ..runtime.switch import relayout, tune
+from ..runtime.step.executor import grad_tensors
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
-from ..runtime.materialize import is_deferred
-from ..runtime.memory_guard import report_startup
-from ..runtime.optimizer import LinsOptimizer, check_elementwise
-from ..runtime.planning import (agree_on_plan, announce, forward_only_plan, gemm_dtype, misaligned_note,
-                                plan_for_length, start_plan)
+from ..runtime.startup.materialize import is_deferred
+from ..runtime.memory.memory_guard import report_startup
+from ..runtime.step.optimizer import LinsOptimizer, check_elementwise
+from ..runtime.startup.planning import (agree_on_plan, announce, forward_only_plan, gemm_dtype, misaligned_note,
+                                        plan_for_length, start_plan)
 from ..runtime.runtime import LinsRuntime
-from ..runtime.seq_len import LengthWatch, batch_length
+from ..runtime.startup.seq_len import LengthWatch, batch_length
 from . import ds_compat, zero_api
 
 ds_compat.check()
@@ -276,7 +278,7 @@ class LinsEngine(DeepSpeedEngine):
         for p in self.lins.outside_units() if self.lins is not None else self.module.parameters():
             p.grad = None
 
-    # --- the sequence length the plan is sized for (lins.seq_len not set: runtime/seq_len.py) -------------
+    # --- the sequence length the plan is sized for (lins.seq_len not set: runtime/startup/seq_len.py) -----
     def _watch_length(self, length) -> None:
         watch = self._lins_lengths
         watch.see(length)

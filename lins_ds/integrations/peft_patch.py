@@ -18,7 +18,7 @@ import functools
 from torch import nn
 
 from ..runtime.config import LinsConfigError
-from ..runtime.materialize import SEED, SOURCE
+from ..runtime.startup.materialize import SEED, SOURCE
 from . import sharded_init
 
 

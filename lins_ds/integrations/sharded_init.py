@@ -2,7 +2,7 @@
 
 Inside the context every parameter a module registers is replaced by one on the meta device (nothing is
 allocated or initialised; buffers stay real) and tagged with the seed of the moment. ``deepspeed.initialize``
-with a ``lins`` config then materialises the model unit by unit (``runtime/materialize.py``): each module's own
+with a ``lins`` config then materialises the model unit by unit (``runtime/startup/materialize.py``): each module's own
 initialisation under a per-module seed, so the initial values are the same for every plan and world size.
 
 ``from_pretrained`` inside the context reads nothing: transformers' loader (``core_model_loading``) is
@@ -26,8 +26,8 @@ from torch import nn
 import lins_ds_autoload
 
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
-from ..runtime.materialize import SEED, SOURCE
-from ..runtime.init_replay import Recorder, release
+from ..runtime.startup.materialize import SEED, SOURCE
+from ..runtime.startup.init_replay import Recorder, release
 
 _depth = 0  # nesting of init contexts (from_pretrained called inside one enters none)
 _paused = 0  # nesting of paused() blocks: parameters registered inside keep their values

@@ -24,7 +24,7 @@ summary can show it:
     fixed        reserved      CUDA context and communicator buffers, outside the allocator
                  margin        allocator fragmentation, a fraction of the peak the allocator holds
 
-Activations are measured, not assumed, where a device is at hand (``lins_ds.runtime.memory_probe``): one
+Activations are measured, not assumed, where a device is at hand (``lins_ds.runtime.memory.memory_probe``): one
 layer unit's forward + backward on one micro-batch, with and without checkpointing, and the model outside
 the layers (embedding, final norm, logits and the loss's fp32 upcast). The executor and this model share
 the constants below.

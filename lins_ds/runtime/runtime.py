@@ -23,12 +23,12 @@ from .. import comm
 from ..plan import Plan
 from ..plan.layout import is_first_replica
 from ..plan.offload import grads_may_leave, hides_behind_forward, params_may_leave
-from . import init_replay
-from .assign import assign_units, build_unit
-from .executor import Executor, Phase, Progress
-from .materialize import Materializer, is_deferred
-from .offload import HOST_PIECE, HostGrads, HostParams
-from .unit import ParamState
+from .startup import init_replay
+from .startup.assign import assign_units, build_unit
+from .step.executor import Executor, Phase, Progress
+from .startup.materialize import Materializer, is_deferred
+from .step.offload import HOST_PIECE, HostGrads, HostParams
+from .step.unit import ParamState
 
 
 class LinsRuntime:
@@ -138,7 +138,7 @@ class LinsRuntime:
 
     def relayout(self, plan: Plan) -> None:
         """Drop this plan's units, groups and hooks and build ``plan``'s on the same module (every rank calls
-        it; the values come from the caller: ``lins_ds.runtime.relayout.run`` stages and writes them)."""
+        it; the values come from the caller: ``lins_ds.runtime.switch.relayout.run`` stages and writes them)."""
         self._teardown()
         self._build(plan, None, self.device)
 

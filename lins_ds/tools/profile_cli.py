@@ -90,7 +90,7 @@ def _memory(args, device) -> None:
     import transformers
 
     from .. import dtypes
-    from ..runtime import memory_probe
+    from ..runtime.memory import memory_probe
     from .llama import llama_config
 
     with torch.device("meta"):  # only the head and one layer unit get memory, for the probe

@@ -15,22 +15,22 @@ import psutil
 import torch
 from deepspeed.utils import logger
 
-from .. import comm, dtypes
-from ..plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
-                    load_model, solve)
-from ..plan.context import SolveContext, check_placement as _check_placement, compute_for, reserved_gb, \
-    without_offload_first
-from ..plan.offload import HostSpec, OffloadSpec, ladder, widened
-from ..plan.solver import NoFeasiblePlan, _gib
-from ..plan import cost, report
-from ..plan.layout import needs_unsorted_groups
-from ..plan.memory import ActivationProfile
-from ..plan.spec import ALIGN_BYTES
-from ..plan.model import from_hf_config, measured
-from . import offload, recompute
+from ... import comm, dtypes
+from ...plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
+                     load_model, solve)
+from ...plan.context import (SolveContext, check_placement as _check_placement, compute_for, reserved_gb,
+                             without_offload_first)
+from ...plan.offload import HostSpec, OffloadSpec, ladder, widened
+from ...plan.solver import NoFeasiblePlan, _gib
+from ...plan import cost, report
+from ...plan.layout import needs_unsorted_groups
+from ...plan.memory import ActivationProfile
+from ...plan.spec import ALIGN_BYTES
+from ...plan.model import from_hf_config, measured
+from ..step import offload, recompute
 from .assign import assign_units, find_layers
-from .config import LinsConfig, LinsConfigError
-from .optimizer import steps_per_parameter
+from ..config import LinsConfig, LinsConfigError
+from ..step.optimizer import steps_per_parameter
 
 
 def _model_spec(module: torch.nn.Module, cfg: LinsConfig):
@@ -82,8 +82,9 @@ PROVISIONAL_SEQ = 2048  # the start-up plan's length when neither lins.seq_len n
 
 def start_seq_len(module: torch.nn.Module, cfg: LinsConfig) -> tuple:
     """(length, whether the training batches decide it) for the start-up plan: lins.seq_len, else a provisional
-    min(max_position_embeddings, PROVISIONAL_SEQ) that the first training batch replaces (``runtime/seq_len.py``): a
-    hub model's max_position_embeddings (32k-128k) is what it can read, not what a job trains at."""
+    min(max_position_embeddings, PROVISIONAL_SEQ) that the first training batch replaces
+    (``runtime/startup/seq_len.py``): a hub model's max_position_embeddings (32k-128k) is what it can read, not what
+    a job trains at."""
     if cfg.seq_len:
         return cfg.seq_len, False
     hf = getattr(module, "config", None)
@@ -107,7 +108,7 @@ def _timing_table(cfg: LinsConfig, topo: Topology, model, train: TrainingSpec, d
     if cfg.profile == "synthetic":
         return get_cluster(cfg.cluster).table(meshes)
     if cfg.profile == "measure":
-        from ..profiler import obtain
+        from ...profiler import obtain
 
         largest = max(model.unit_params()) * train.param_bytes
         return obtain(topo, meshes, device, quick=True, max_bytes=largest, cache_dir=cfg.profile_cache,
@@ -142,8 +143,8 @@ def activation_profile(module: torch.nn.Module, cfg: LinsConfig, train: Training
             return ActivationProfile.from_json(obj.get("profile", obj)), source
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise LinsConfigError(f"lins.memory_profile: {source} is not a memory profile ({e})") from None
-    from ..profiler.cache import default_dir
-    from . import memory_probe
+    from ...profiler.cache import default_dir
+    from ..memory import memory_probe
 
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
     layers = [mods[0] for mods in layer_units(module, cfg)]
@@ -368,7 +369,7 @@ def forward_only_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str)
     """(plan, summary) of an engine without an optimizer (a reference, frozen or inference model): only P matters.
     A fixed plan's P is kept; else P is replicated where the parameters take at most ``FORWARD_SHARE`` of the memory
     still free (a training engine may be there already), else sharded inside a node, else over every rank."""
-    from ..plan import Factor, Layout
+    from ...plan import Factor, Layout
 
     need = sum(p.numel() * p.element_size() for p in engine.module.parameters()) / 2**30
     device = torch.device(engine.device)

@@ -4,7 +4,7 @@
 Training starts on the solver's best plan. Once a candidate's step time is known — at least ``lins.tune.steps``
 optimizer steps (the first ``lins.tune.warmup_steps`` not timed), and more until the median's 95 % interval is within
 +-``lins.tune.precision`` of it, ``lins.tune.max_steps`` at most — the engine re-lays itself in memory onto the next
-candidate (``lins_ds.runtime.relayout``) and goes on training; once each has been timed it moves to the fastest
+candidate (``lins_ds.runtime.switch.relayout``) and goes on training; once each has been timed it moves to the fastest
 measured candidate whose measured peak stayed within the budget — away from the solver's best only when the gain is
 more than the noise (``lins_ds.plan.tune.fastest``) — prints the table, and caches the decision, so the next
 launch of the same job starts on the winner with no trials. Every trial step is a real training step: the
@@ -27,11 +27,11 @@ from typing import Optional
 import torch
 from deepspeed.utils import logger
 
-from .. import comm
-from ..plan import Plan
-from ..plan import tune as choose
-from ..plan.solver import fewest_offloaded, plan_of
-from .errors import RelayoutError
+from ... import comm
+from ...plan import Plan
+from ...plan import tune as choose
+from ...plan.solver import fewest_offloaded, plan_of
+from ..errors import RelayoutError
 
 
 def _interval(times: list) -> Optional[list]:
@@ -99,7 +99,7 @@ def _plain(obj):
 
 
 def cache_dir(cfg) -> str:
-    from ..profiler.cache import default_dir
+    from ...profiler.cache import default_dir
 
     return cfg.profile_cache or default_dir()
 
@@ -140,7 +140,7 @@ def cached_plan(path: str, key: dict, context=None) -> tuple:
 
 def invalid(plan: Plan, context) -> str:
     """Why ``plan`` is not one this job (``context``: its SolveContext) may run, or ''."""
-    from ..plan.topology import check_layout
+    from ...plan.topology import check_layout
 
     train, model = context.train, context.model
     if plan.topology != context.topo:

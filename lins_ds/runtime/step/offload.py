@@ -29,9 +29,9 @@ from typing import Optional
 
 import torch
 
-from .. import comm
-from ..plan.offload import HostSpec
-from .errors import LinsConfigError
+from ... import comm
+from ...plan.offload import HostSpec
+from ..errors import LinsConfigError
 
 HOST_PIECE = 1 << 25  # elements per host master tensor (128 MiB in fp32): few enough calls that the worker rarely
 # waits for the GIL, small enough that the first update starts soon and memory-bound temporaries stay small

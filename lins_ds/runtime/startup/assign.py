@@ -7,10 +7,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import comm
-from ..plan import Layout, Topology
-from .errors import LinsConfigError
-from .unit import ChunkSpec, Slot, Unit
+from ... import comm
+from ...plan import Layout, Topology
+from ..errors import LinsConfigError
+from ..step.unit import ChunkSpec, Slot, Unit
 
 
 def find_layers(module: nn.Module, class_names: Optional[tuple]) -> list:

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .errors import LinsConfigError
+from ..errors import LinsConfigError
 
 SOURCE = "_lins_source"  # a meta parameter's checkpoint source: an object with read(a, b) -> flat elements [a, b)
 SEED = "_lins_seed"  # the seed a meta parameter was built under (lins_ds.init)

@@ -29,11 +29,11 @@ import os
 import torch
 from torch import nn
 
-from .. import comm
-from ..plan import PlanError
-from ..plan.memory import ActivationProfile
-from ..plan.model import from_hf_config
-from . import recompute
+from ... import comm
+from ...plan import PlanError
+from ...plan.memory import ActivationProfile
+from ...plan.model import from_hf_config
+from ..step import recompute
 
 
 class _Captured(Exception):
@@ -305,6 +305,6 @@ def _read(path: str, key: dict):
 
 def _write(path: str, key: dict, profile: dict):
     """The measurement cached; the reason it could not be (nothing raised), or None."""
-    from ..profiler.cache import write_json_atomically
+    from ...profiler.cache import write_json_atomically
 
     return write_json_atomically(path, {"key": key, "profile": profile})

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import comm
-from ..plan import Plan
-from ..plan.layout import Layout
-from ..plan.tune import label
-from .errors import RelayoutError  # noqa: F401  (raised here; importable from here as before)
-from .optimizer import scalar_state
-from .unit import ChunkSpec
+from ... import comm
+from ...plan import Plan
+from ...plan.layout import Layout
+from ...plan.tune import label
+from ..errors import RelayoutError  # noqa: F401  (raised here; importable from here as before)
+from ..step.optimizer import scalar_state
+from ..step.unit import ChunkSpec
 
 
 @dataclass

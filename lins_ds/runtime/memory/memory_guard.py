@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from deepspeed.utils import logger
 
-from .. import comm
-from ..plan import NoFeasiblePlan, Plan
+from ... import comm
+from ...plan import NoFeasiblePlan, Plan
 
 GIB = 2**30
 

@@ -17,8 +17,8 @@ import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
-from .. import comm
-from .errors import LinsConfigError
+from ... import comm
+from ..errors import LinsConfigError
 from .offload import HOST_PIECE, HostOptimizer, HostUpdater, host_empty
 
 def _known_elementwise() -> tuple:
@@ -182,7 +182,7 @@ class LinsOptimizer(ZeROOptimizer):
 
     def rebuild(self) -> None:
         """This rank's master slices over the runtime's current units (at start-up, and after a re-layout,
-        which then writes their values and state: ``lins_ds.runtime.relayout``). The basic optimizer keeps its
+        which then writes their values and state: ``lins_ds.runtime.switch.relayout``). The basic optimizer keeps its
         param groups (hyperparameters, LR schedulers); its ``params`` and state start over."""
         runtime, basic = self.runtime, self.optimizer
         self.slices = []

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .. import comm
+from ... import comm
 
 def batch_length(args: tuple, kwargs: dict, micro_batch: int) -> Optional[int]:
     """The sequence length a forward's batch stands for: its tokens over the micro-batch size (so that a packed or

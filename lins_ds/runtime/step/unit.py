@@ -36,10 +36,10 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from .. import comm
-from ..plan import Layout, Topology
-from ..plan.layout import chunks
-from .errors import LinsConfigError, UnitStateError
+from ... import comm
+from ...plan import Layout, Topology
+from ...plan.layout import chunks
+from ..errors import LinsConfigError, UnitStateError
 
 ALIGN = 64  # elements; keeps every chunk 128-byte aligned in 16-bit dtypes
 

@@ -39,7 +39,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
-from ..plan.memory import IN_FLIGHT_REDUCE_SCATTERS, IN_FLIGHT_REPLICA_COPIES, PREFETCHED_LAYERS
+from ...plan.memory import IN_FLIGHT_REDUCE_SCATTERS, IN_FLIGHT_REPLICA_COPIES, PREFETCHED_LAYERS
 from .unit import GradState, Unit
 
 
