@@ -140,7 +140,7 @@ def load_tune_runs(path: str) -> list:
 
 
 def load_train_runs(directories: list) -> list:
-    """One-GPU runs of ``bench/train.py`` (``<name>_<system>.json``: the shape grid, bench/gpu_issue27.sh): each
+    """One-GPU runs of ``bench/train.py`` (``<name>_<system>.json``: the shape grid, bench/gpu_compute_shapes.sh): each
     model is its ``--model`` config.json, its checkpointed layers as ``shapes.load`` reads them."""
     from .shapes import load
 

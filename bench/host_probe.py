@@ -1,7 +1,7 @@
 """``python -m bench host-probe``: what a layer pass, and a checkpointed one, costs the host, measured on steps whose
 kernels are too short to hide it, next to what the simulator's fitted terms say (issue 27).
 
-The runs are ``bench/train.py --breakdown`` results (bench/gpu_issue27.sh GRID=14: sequence 128, micro-batch 1,
+The runs are ``bench/train.py --breakdown`` results (bench/gpu_compute_shapes.sh GRID=14: sequence 128, micro-batch 1,
 with and without every layer checkpointed, ZeRO-1 and Lins), so a step is the host's work and its forward and
 backward are timed apart. Each run is priced by ``calibrate.predict`` with the profile's terms on a host as slow as
 the folder's runs measured theirs (``bench/host.py``: the median over the folder, against the calibration host's;
@@ -82,7 +82,7 @@ def probe(folder: str, profile: str) -> list:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("dir", help="a folder of bench/train.py --breakdown results (bench/gpu_issue27.sh GRID=14)")
+    p.add_argument("dir", help="a folder of bench/train.py --breakdown results (bench/gpu_compute_shapes.sh GRID=14)")
     p.add_argument("--profile", required=True, help="a profile with the fitted shape-model terms "
                    "(python -m bench simulate --fit --compute-table ... --out)")
 

@@ -233,7 +233,7 @@ REASONS = {0x1: "idle", 0x2: "application clocks", 0x4: "SW power cap", 0x8: "HW
 
 def read_clocks(folder: str) -> list:
     """(unix time, SM MHz, throttle-reason bits) of the folder's GPU clock logs (``gpu_clocks_*.csv``: nvidia-smi's
-    csv, its clock UTC, as bench/gpu_issue27.sh writes it beside the runs)."""
+    csv, its clock UTC, as bench/gpu_compute_shapes.sh writes it beside the runs)."""
     rows = []
     for path in glob.glob(os.path.join(folder, "gpu_clocks_*.csv")):
         with open(path, newline="") as f:
@@ -278,7 +278,7 @@ def add_arguments(p) -> None:
     p.add_argument("--compute", required=True, help="the device's compute table (python -m bench.compute_profile)")
     p.add_argument("--out", help="write the analysis as JSON here")
     p.add_argument("--clocks", action="store_true", help="also each run's step spread next to the GPU clock log "
-                   "beside it (bench/gpu_issue27.sh writes one), over the steps after each run's warm-up")
+                   "beside it (bench/gpu_compute_shapes.sh writes one), over the steps after each run's warm-up")
 
 
 def main(args) -> int:

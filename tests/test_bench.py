@@ -130,7 +130,7 @@ def test_the_host_probe_prices_each_host_bound_run_at_the_host_it_ran_on(capsys)
 
 def test_a_config_of_another_family_is_built_as_its_own_hugging_face_class(tmp_path):
     """``bench/train.py --model config.json``: a LLaMA config as ``LlamaForCausalLM`` with the planner's shapes (as
-    the shape grid was built), any other model type as its own class (the families of ``gpu_issue27.sh`` GRID=16);
+    the shape grid was built), any other model type as its own class (the families of ``gpu_compute_shapes.sh`` GRID=16);
     a GPT-2 asked for a sequence beyond the positions it learns is refused before anything is built."""
     from bench.train import build_model
 

@@ -223,3 +223,21 @@ if __name__ == "__main__":
     with open(DESIGN, "w", encoding="utf-8") as f:
         f.write(new)
     print(f"{DESIGN}: import graph rewritten")
+
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+# who calls comm's collectives, and why: a unit's own (unit), the global gradient norm (optimizer), re-layout's
+# moves of whole units (relayout), ZeRO's full-parameter and full-gradient helpers (zero_api)
+COLLECTIVE_CALLERS = {"runtime.step.unit", "runtime.step.optimizer", "runtime.switch.relayout", "integrations.zero_api"}
+
+
+def test_only_the_named_modules_issue_collectives():
+    """Every collective goes through comm.py, from these modules alone: host offload copies (HostParams uploads a
+    P chunk; the unit gathers it), the runtime and checkpoints ask units."""
+    callers = set()
+    for path, module in modules():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "comm"):
+                callers.add(module[len("lins_ds."):])
+    assert callers == COLLECTIVE_CALLERS, callers ^ COLLECTIVE_CALLERS

@@ -615,3 +615,27 @@ def test_a_torch_adam_left_open_steps_device_masters_with_the_fused_kernel():
     assert not prefer_fused_kernel(pinned, cuda) and pinned.param_groups[0]["fused"] is None
     assert not prefer_fused_kernel(torch.optim.Adam(p, lr=1e-3), cpu)
     assert not prefer_fused_kernel(torch.optim.SGD(p, lr=1e-3), cuda)
+
+
+def test_a_unit_waits_on_its_ticket_and_a_worker_that_died_unannounced_is_an_error_not_a_hang():
+    """A unit holds its update's HostTicket, not the updater; the worker writes only the ticket. A worker thread
+    that ends without finishing a unit's ticket (killed outside its own handler) makes the wait return within a
+    second and the updater report it, so the step raises it on every rank instead of waiting for ever."""
+    import threading
+    import time
+
+    from lins_ds.runtime.step.offload import HostTicket, HostUpdater
+
+    updater = HostUpdater.__new__(HostUpdater)  # only what a wait reads: its thread, its error, its counter
+    updater.device, updater._error, updater.waited_s = torch.device("cpu"), None, 0.0
+    updater._thread = threading.Thread(target=lambda: None)
+    updater._thread.start()
+    updater._thread.join()  # ended, having finished no ticket
+    done, stuck = HostTicket(updater, "layer0"), HostTicket(updater, "layer1")
+    done.finish(None)
+    done.wait()
+    assert done.ready() and not updater.failed()
+    t0 = time.monotonic()
+    stuck.wait()
+    assert time.monotonic() - t0 < 3 and updater.failed() and not stuck.ready()
+    assert "ended before updating unit layer1" in str(updater._error)  # error() adds the rank: no group here

@@ -12,7 +12,7 @@ alone cannot reach SYNCING (a P-sync group of one finishes at once), nor REDUCIN
 
 A starting state the placement cannot reach is not in the table: SHARDED and GATHERING need a unit that releases
 (not ``whole``), SYNCING a P-sync group (not ``host``), REDUCING s_g > 1, REPLICA_REDUCING more than one replica.
-UPDATING comes from ``begin_host_update`` with a fake host updater (``ready`` / ``wait``); ``updating*`` is
+UPDATING comes from ``begin_host_update`` with a fake host ticket (``ready`` / ``wait``); ``updating*`` is
 UPDATING with the host update still running (``ready`` False), which only ``start_gather`` asks.
 """
 
@@ -81,15 +81,15 @@ ROWS = P_ROWS + G_ROWS
 
 
 class FakeHost:
-    """What a unit asks of its HostUpdater while UPDATING: ``ready`` (a prefetch) and ``wait`` (counted)."""
+    """What a unit asks of its HostTicket while UPDATING: ``ready`` (a prefetch) and ``wait`` (counted)."""
 
     def __init__(self):
         self.is_ready, self.waits = True, 0
 
-    def ready(self, unit):
+    def ready(self):
         return self.is_ready
 
-    def wait(self, unit):
+    def wait(self):
         self.waits += 1
 
 

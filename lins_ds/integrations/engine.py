@@ -140,8 +140,8 @@ class LinsEngine(DeepSpeedEngine):
 
     def _start_tuner(self, cands: list, decision) -> None:
         ctx = self._lins_solve
-        self.lins_tuner = tune.Tuner(self, cands, self.lins_config.tune,
-                                     ctx.mem.capacity_gb - ctx.mem.reserved_gb, decision)
+        self.lins_tuner = tune.Tuner(self.relayout, ctx, self.lins.plan, self.lins.device, cands,
+                                     self.lins_config.tune, ctx.mem.capacity_gb - ctx.mem.reserved_gb, decision)
 
     def _configure_bf16_optimizer(self, optimizer):
         """No optimizer, no bf16 wrapper (and its fp32 copies): a forward-only engine; else DeepSpeed's (never reached

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field, fields
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from ..plan import Factor, Layout, STATES, Topology, check_layout
 from ..plan.clusters import CLUSTERS
@@ -151,15 +151,29 @@ def _tune(key, value):
 OFFLOAD_KEYS = ("os", "os_fraction", "p", "g")
 
 
+class OffloadChoice(NamedTuple):
+    """lins.offload parsed: ``mode`` "auto", "off" or "fixed"; ``fraction`` of the units (fixed); where the
+    offloaded units' gradients (``grads``) and parameters (``params``) go: "auto" (the solver's choice), "cpu",
+    "gpu", and for parameters under "auto" also "needed" (on the host only where nothing fits with them on the GPU:
+    ``plan.offload.ladder``)."""
+
+    mode: str
+    fraction: float
+    grads: str
+    params: str
+
+
+OFFLOAD_AUTO = OffloadChoice("auto", 1.0, "auto", "needed")
+OFFLOAD_OFF = OffloadChoice("off", 1.0, "gpu", "gpu")
+
+
 def _offload(key, value):
     """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f, "g": "cpu" | "gpu", "p": "cpu" | "auto" |
-    "gpu"}: (mode, fraction, where the offloaded units' gradients go: "auto" (the solver's choice), "cpu" or "gpu",
-    and their parameters: the same, "gpu" unless asked; under "auto" "needed": on the host only where nothing fits
-    with them on the GPU)."""
+    "gpu"}, as an ``OffloadChoice`` (parameters "gpu" unless asked)."""
     if value == "auto":  # parameters on the host only where nothing fits with them on the GPU
-        return ("auto", 1.0, "auto", "needed")
+        return OFFLOAD_AUTO
     if value is False:
-        return ("off", 1.0, "gpu", "gpu")
+        return OFFLOAD_OFF
     if not isinstance(value, dict):
         _bad(key, value, "\"auto\", false or {\"os\": \"cpu\", \"os_fraction\": 0.5}")
     unknown = sorted(set(value) - set(OFFLOAD_KEYS))
@@ -182,7 +196,7 @@ def _offload(key, value):
         if where != "cpu" and place == "cpu":
             _bad(f"{key}.{state}", place, "\"cpu\" only with \"os\": \"cpu\" (a unit's gradients and parameters "
                  "go to the host with its optimizer state)")
-    return ("fixed", float(fraction), grads, params) if where == "cpu" else ("off", 1.0, "gpu", "gpu")
+    return OffloadChoice("fixed", float(fraction), grads, params) if where == "cpu" else OFFLOAD_OFF
 
 
 def _rule(default, rule: Callable, doc: str, shown: Optional[str] = None):
@@ -242,7 +256,7 @@ class LinsConfig:
                                          "whole (`false`); `null`: sharded where whole copies do not fit the host")
     init: str = _rule("eager", _one_of(("eager", "per_module")), "values of a model built under `lins_ds.init`: "
                       "the eager build's, or `\"per_module\"` (each module's init, seeded by its name; faster)")
-    offload: tuple = _rule(("auto", 1.0, "auto", "needed"), _offload,
+    offload: OffloadChoice = _rule(OFFLOAD_AUTO, _offload,
                            "OS, G and P on the host: `\"auto\"` (the solver decides; never on CPUs), `false`, or "
                            "`{\"os\": \"cpu\", \"os_fraction\": f, \"g\": \"cpu\", \"p\": \"cpu\"}`", "`\"auto\"`")
     host_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib),

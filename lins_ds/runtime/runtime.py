@@ -7,7 +7,7 @@ Each step of training has one method here and one caller:
     backward ends     end_backward()       LinsOptimizer.backward_epilogue
     boundary          finish_gradients()   LinsOptimizer.step: the window's gradients final
     update            (the optimizer, on os_ranges())
-    P-sync            sync_parameters()    LinsOptimizer.step (and a checkpoint load)
+    P-sync            sync_parameters()    LinsOptimizer.step (and a checkpoint load, a re-layout)
 
 The forward is the executor's hooks'. ``Progress`` says where training is; only these methods change it.
 """
@@ -330,6 +330,17 @@ class LinsRuntime:
     def release_all(self) -> None:
         for unit in self.units:
             unit.release()
+
+    def settle(self) -> None:
+        """Every unit's P chunk current (a host update finished, a P-sync completed) and every collective done:
+        what a re-layout or a checkpoint reads. The host update's errors are the optimizer's to agree first."""
+        for unit in self.units:
+            unit.wait_param_sync()
+        self.wait()
+
+    def host_param_bytes(self) -> int:
+        """Host bytes of the P chunks the plan keeps on the host (0 without)."""
+        return sum(u.p_shard.nbytes for u in self.units if u.host_params is not None)
 
     def wait(self) -> None:
         """Wait for every collective still in flight (P-sync, prefetch, ReduceScatter, AllReduce); issues

@@ -1,4 +1,4 @@
-"""The table and plot of bench/results/offload/README.md from the JSON rows of bench/gpu_issue26.sh."""
+"""The table and plot of bench/results/offload/README.md from the JSON rows of bench/gpu_offload.sh."""
 import json
 import os
 

@@ -338,11 +338,11 @@ def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_d
 
     def with_offload():
         spec, kind = _offload_for(engine, cfg, param_dtype, accum_dtype)
-        if spec.mode == "off" and cfg.offload[0] == "auto":  # a CPU device, or no host optimizer runs here
+        if spec.mode == "off" and cfg.offload.mode == "auto":  # a CPU device, or no host optimizer runs here
             return None
         return (*build(engine, cfg, topo, param_dtype, accum_dtype, (spec, kind), seq_len=seq_len), kind)
 
-    return without_offload_first(cfg.offload[0], without, with_offload, (NoPlanFits,))
+    return without_offload_first(cfg.offload.mode, without, with_offload, (NoPlanFits,))
 
 
 def start_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
@@ -416,7 +416,7 @@ def plan_for_length(engine, cfg: LinsConfig, context: SolveContext, plan: Plan, 
         return None if spec.mode == "off" else (*build(dataclasses.replace(context, offload=spec)), kind)
 
     # the host is measured only where "auto" has not offloaded yet; else the context's offload is the one priced
-    mode = "auto" if cfg.offload[0] == "auto" and context.offload.mode == "off" else "off"
+    mode = "auto" if cfg.offload.mode == "auto" and context.offload.mode == "off" else "off"
     return without_offload_first(mode, without, with_offload, (NoPlanFits,))
 
 

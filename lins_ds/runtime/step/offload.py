@@ -358,20 +358,20 @@ class HostParams:
     def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return host_empty(n, dtype, self.device)
 
-    def gather(self, unit):
-        """Launch the upload (and gather) of ``unit``'s P chunk into its full buffer (allocated by the caller); a
-        handle whose ``wait()`` orders the current stream after it."""
-        if self.stream is None:  # a CPU device: the host pool is the device's memory
-            return comm.all_gather(unit.groups, "p", unit.full, unit.p_shard, async_op=True, tag=unit.name)
+    def upload(self, chunk: torch.Tensor, dst: Optional[torch.Tensor], then=None) -> "_Uploaded":
+        """Launch the copy of the host ``chunk`` up, on this stream: into ``dst`` (the unit's full buffer, allocated
+        by the caller), or into a device buffer of its own that ``then(src)`` (the unit's AllGather, where s_p > 1)
+        reads on the same stream; a handle whose ``wait()`` orders the current stream after both. The collective
+        is the caller's (``Unit``): this class only copies."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the full buffer's memory is free there
         with torch.cuda.stream(self.stream):
             work = None
-            if unit.sharded_p:
-                src = torch.empty(unit.spec.p_size, dtype=unit.dtype, device=self.device)
-                src.copy_(unit.p_shard, non_blocking=True)
-                work = comm.all_gather(unit.groups, "p", unit.full, src, async_op=True, tag=unit.name)
+            if dst is not None:
+                dst.copy_(chunk, non_blocking=True)
             else:
-                unit.full.copy_(unit.p_shard, non_blocking=True)
+                src = torch.empty(chunk.numel(), dtype=chunk.dtype, device=self.device)
+                src.copy_(chunk, non_blocking=True)
+                work = then(src)
             done = torch.cuda.Event()
             done.record(self.stream)
         return _Uploaded(done, work, self.device)
@@ -404,9 +404,44 @@ class HostSlice:
         self.up = None if dtype == torch.float32 or unit.host_params is not None else host_empty(n, dtype, device)
 
 
+class HostTicket:
+    """One unit's host update of one step, what the unit holds while UPDATING (not the updater): the worker marks it
+    done, with the event of the upload it launched; the unit's next use waits on it. Written by the worker only
+    before ``done`` is set, read by the training thread only after."""
+
+    def __init__(self, updater: "HostUpdater", unit_name: str):
+        self._updater, self.unit_name = updater, unit_name
+        self._done = threading.Event()
+        self._upload = None  # the CUDA event of the upload (None on a CPU device)
+
+    def finish(self, upload) -> None:
+        """The worker: this unit's update is written and its upload (``upload``, an event or None) launched."""
+        self._upload = upload
+        self._done.set()
+
+    def abandon(self) -> None:
+        """The worker failed: whoever waits stops waiting (the error is raised on every rank at the step)."""
+        self._done.set()
+
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def wait_done(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s for the worker; whether it is done with this unit."""
+        return self._done.wait(timeout)
+
+    def wait(self) -> None:
+        """Block until the update is on the device, ordered before the current stream's next work (a failed update
+        returns at once: every rank raises it at the next step boundary, ``HostUpdater.error``)."""
+        self._updater.wait_for(self)
+        if self._upload is not None and not self._updater.failed():
+            torch.cuda.current_stream(self._updater.device).wait_event(self._upload)
+            self._upload = None
+
+
 class HostUpdater:
     """Runs the offloaded units' updates on a worker thread, in forward order; each unit's next use waits for its
-    own (``Unit.begin_host_update``)."""
+    own (``Unit.begin_host_update`` with the unit's ``HostTicket``)."""
 
     def __init__(self, host_optimizer: HostOptimizer, slices_by_unit: list, device: torch.device):
         self.opt, self.device = host_optimizer, device
@@ -418,7 +453,7 @@ class HostUpdater:
         self._scratch = torch.empty(max((s.grad.numel() for _, ss in self.by_unit for s in ss), default=0),
                                     dtype=torch.float32)
         self._thread: Optional[threading.Thread] = None
-        self._done: dict = {}
+        self._tickets: list = []  # this step's, one per unit, in forward order
         self._error: Optional[BaseException] = None
         self.last_update_s = 0.0  # the worker's wall time in the last step (host updates and copies)
         self.last_spent_s: dict = {}  # ... of it waiting for the gradients, updating, launching the uploads
@@ -470,11 +505,11 @@ class HostUpdater:
 
     def start(self, events: list) -> None:
         """Begin the host updates (after ``download``); each unit enters UPDATING until the worker finishes it."""
-        self._done = {id(u): threading.Event() for u, _ in self.by_unit}
+        self._tickets = [HostTicket(self, u.name) for u, _ in self.by_unit]
         self._error = None
         hyper = self.opt.hyperparameters()
-        for unit, _ in self.by_unit:
-            unit.begin_host_update(self)
+        for (unit, _), ticket in zip(self.by_unit, self._tickets):
+            unit.begin_host_update(ticket)
         self._interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, args=(events, hyper), name="lins-host-update", daemon=True)
@@ -486,7 +521,7 @@ class HostUpdater:
         try:
             ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
             with ctx, torch.no_grad():
-                for (unit, slices), ev in zip(self.by_unit, events):
+                for (unit, slices), ev, ticket in zip(self.by_unit, events, self._tickets):
                     t = time.perf_counter()
                     if ev is not None:
                         ev.synchronize()
@@ -495,56 +530,52 @@ class HostUpdater:
                     for s in slices:
                         self._update(s, coef, hyper)
                     t, spent["update"] = time.perf_counter(), spent["update"] + time.perf_counter() - t
-                    self._upload(unit, slices)
+                    ticket.finish(self._upload(slices))
                     spent["upload"] += time.perf_counter() - t
-                    self._done[id(unit)].set()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by wait()
+        except BaseException as e:  # noqa: BLE001 - raised on every rank at the next step boundary (error())
             self._error = e
-            for ev in self._done.values():
-                ev.set()
+            for ticket in self._tickets:
+                ticket.abandon()
         self.last_update_s, self.last_spent_s = time.perf_counter() - t0, spent
         sys.setswitchinterval(self._interval)
 
     def _update(self, s: HostSlice, coef: float, hyper: list) -> None:
         update_piece(self.opt, s.master.param, s.grad, s.up, self._scratch, coef, hyper)
 
-    def _upload(self, unit, slices: list) -> None:
+    def _upload(self, slices: list):
+        """Launch the updated slices' copy up; the event that marks it done (None on a CPU device: synchronous)."""
         cs = self.copy_stream
         with torch.cuda.stream(cs) if cs is not None else nullcontext():
             for s in slices:
                 s.master.range.params().copy_(s.up if s.up is not None else s.master.param.data,
                                               non_blocking=cs is not None)
-            if cs is not None:
-                unit.host_upload_event = torch.cuda.Event()
-                unit.host_upload_event.record(cs)
+            if cs is None:
+                return None
+            done = torch.cuda.Event()
+            done.record(cs)
+            return done
 
-    def ready(self, unit) -> bool:
-        ev = self._done.get(id(unit))
-        return ev is None or ev.is_set()
-
-    def wait(self, unit) -> None:
-        """Block until ``unit``'s update is on the device, ordered before the current stream's next work."""
-        ev = self._done.get(id(unit))
-        if ev is not None and not ev.is_set():
-            t0 = time.perf_counter()
-            while not ev.wait(1.0):
-                if self._thread is None or not self._thread.is_alive():  # died outside _run's own handler
-                    if not ev.is_set():
-                        self._error = self._error or RuntimeError(f"the host update thread ended before updating "
-                                                                  f"unit {unit.name}")
-                        break
-            self.waited_s += time.perf_counter() - t0
-        if self._error is not None:
-            return  # raised on every rank at the next step boundary (``error``, agreed), never here on one alone
-        up = getattr(unit, "host_upload_event", None)
-        if up is not None:
-            torch.cuda.current_stream(self.device).wait_event(up)
-            unit.host_upload_event = None
+    def wait_for(self, ticket: HostTicket) -> None:
+        """Block until the worker is done with ``ticket`` (counted as exposed host time); a worker that died outside
+        its own handler is an error, as a failed update is."""
+        if ticket.ready():
+            return
+        t0 = time.perf_counter()
+        while not ticket.wait_done(1.0):
+            if self._thread is None or not self._thread.is_alive():
+                if not ticket.ready():
+                    self._error = self._error or RuntimeError(f"the host update thread ended before updating unit "
+                                                              f"{ticket.unit_name}")
+                    break
+        self.waited_s += time.perf_counter() - t0
 
     def join(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def failed(self) -> bool:
+        return self._error is not None
 
     def clear_error(self) -> None:
         """A checkpoint load replaces what the failed update left: training may go on."""

@@ -267,9 +267,7 @@ class LinsOptimizer(ZeROOptimizer):
         """Nothing in flight: host updates finished (on every rank: ``check_host``) and every unit's P chunk current
         (before a re-layout or a checkpoint reads the state)."""
         self.check_host()
-        for unit in self.runtime.units:
-            unit.wait_param_sync()
-        self.runtime.wait()
+        self.runtime.settle()
 
     def _host_updater(self, kind: str) -> HostUpdater:
         host = [s for s in self.slices if s.on_host]
@@ -310,9 +308,9 @@ class LinsOptimizer(ZeROOptimizer):
         state = self.optimizer.state
         if not all(state.get(s.param) for s in self.slices if s.on_host):
             self.host.join()
-        grads, units = self.runtime.host_grads, self.runtime.units
-        params = sum(u.p_shard.nbytes for u in units if u.host_params is not None)  # the P chunks on the host
-        return (self.host.nbytes() + (grads.nbytes() if grads is not None else 0) + params) / 2**30
+        grads = self.runtime.host_grads
+        return (self.host.nbytes() + (grads.nbytes() if grads is not None else 0)
+                + self.runtime.host_param_bytes()) / 2**30
 
     def _grad_norm(self, inv_scale: float) -> torch.Tensor:
         """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""

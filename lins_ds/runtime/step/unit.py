@@ -175,8 +175,7 @@ class Unit:
         self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
         self._no_grad: set = set()  # parameters this backward does not reach (counted in _pending)
         self._gather_work = self._sync_work = self._replica_work = None
-        self._host = None  # the HostUpdater updating this unit (UPDATING)
-        self.host_upload_event = None
+        self._ticket = None  # the HostTicket of the host update writing this unit's P chunk (UPDATING)
         self._reduce = None  # (work, output) of an in-flight ReduceScatter
         self._replica_tmp = None  # the reduce-dtype copy an in-flight replica AllReduce works on
         self._grads_attached = False
@@ -244,7 +243,7 @@ class Unit:
         """Launch the AllGather of the full parameters without waiting (prefetch); once per use: nothing to do
         when the gather is in flight or done. A P-sync still in flight is waited for first; a host update still
         running is not (a prefetch must not block on it: ``wait_gather`` does)."""
-        if self.param_state is ParamState.UPDATING and not self._host.ready(self):
+        if self.param_state is ParamState.UPDATING and not self._ticket.ready():
             return
         self.wait_param_sync()
         if self.param_state is not ParamState.SHARDED:
@@ -252,12 +251,16 @@ class Unit:
         nbytes = self.spec.padded * self.full.element_size()
         if self.full.untyped_storage().size() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
-        if self.host_params is not None:
-            self._gather_work = self.host_params.gather(self)
-        else:
+        if self.host_params is not None and self.host_params.stream is not None:  # P on the host of a GPU: up,
+            self._gather_work = self.host_params.upload(  # then gathered where s_p > 1, on the upload's stream
+                self.p_shard, None if self.sharded_p else self.full, self._gather_from)
+        else:  # on a CPU device the host pool is the device's memory
             self._gather_work = comm.all_gather(self.groups, "p", self.full, self.p_shard, async_op=True,
                                                 tag=self.name)
         self.param_state = ParamState.GATHERING
+
+    def _gather_from(self, src: torch.Tensor):
+        return comm.all_gather(self.groups, "p", self.full, src, async_op=True, tag=self.name)
 
     def wait_gather(self) -> None:
         """Make the full parameters current and usable on this stream."""
@@ -318,24 +321,24 @@ class Unit:
         if async_op and work is not None:
             self._sync_work, self.param_state = work, ParamState.SYNCING
 
-    def begin_host_update(self, host) -> None:
-        """The host optimizer (``host``, a HostUpdater) now writes this unit's P chunk; its next use waits."""
+    def begin_host_update(self, ticket) -> None:
+        """The host optimizer now writes this unit's P chunk; its next use waits on ``ticket`` (a HostTicket)."""
         self._expect(self.param_state, (self._at_rest,), "begin_host_update")
-        self._host, self.param_state = host, ParamState.UPDATING
+        self._ticket, self.param_state = ticket, ParamState.UPDATING
 
     def wait_host_update(self) -> None:
         """Block until the host optimizer is done with this unit (its G accumulator on the host may be written
         again); the unit stays UPDATING until its next use finishes the update (``finish_host_update``)."""
         if self.param_state is ParamState.UPDATING:
-            self._host.wait(self)
+            self._ticket.wait()
 
     def finish_host_update(self) -> None:
         """Wait for the host optimizer's update of this unit (its P chunk then current on this device's stream;
         the P-sync, where there is one, is the caller's)."""
         self._expect(self.param_state, (ParamState.UPDATING,), "finish_host_update")
-        self._host.wait(self)  # a failed update does not raise here, on one rank: every rank raises it at the next
+        self._ticket.wait()  # a failed update does not raise here, on one rank: every rank raises it at the next
         # step boundary (LinsOptimizer.check_host), before the stale P chunk is updated again or saved
-        self._host, self.param_state = None, self._at_rest
+        self._ticket, self.param_state = None, self._at_rest
 
     def wait_param_sync(self) -> None:
         """The P chunk current: a host update waited for (and the P-sync after it run: none when s_os == s_p, the

@@ -22,7 +22,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from deepspeed.utils import logger
@@ -208,16 +208,19 @@ def _clock(device: torch.device) -> float:
 class Tuner:
     """Drives the trials from ``LinsEngine.step`` (``after_step``, every rank, after each optimizer step)."""
 
-    def __init__(self, engine, cands: list, spec, budget_gb: Optional[float], decision: Optional[tuple]):
-        """``spec``: lins.tune (steps, precision, max_steps, warmup_steps)."""
-        ctx = engine._lins_solve
-        self.engine, self.budget_gb, self.decision = engine, budget_gb, decision
+    def __init__(self, relayout: Callable, context, running, device: torch.device, cands: list, spec,
+                 budget_gb: Optional[float], decision: Optional[tuple]):
+        """``relayout(plan)``: the engine's move onto a plan (a RelayoutReport, or RelayoutError on every rank);
+        ``context``: the start-up SolveContext the candidates come from; ``running``: the plan training started on
+        (the solver's best); ``spec``: lins.tune (steps, precision, max_steps, warmup_steps)."""
+        self.relayout, self.budget_gb, self.decision = relayout, budget_gb, decision
         self.steps, self.precision, self.max_steps = spec.steps, spec.precision, spec.max_steps
         self.warmup = spec.warmup_steps
-        self.trials = [Trial(c, plan_of(c.evaluation, ctx.topo, ctx.model, ctx.train, ctx.table)) for c in cands]
-        self.trials[0].plan = engine.lins.plan  # the plan training started on (the solver's best)
+        self.trials = [Trial(c, plan_of(c.evaluation, context.topo, context.model, context.train, context.table))
+                       for c in cands]
+        self.trials[0].plan = running
         self.current = 0  # the trial whose plan the engine runs now
-        self.device = engine.lins.device
+        self.device = device
         self.report: list = []
         _reset_peak(self.device)
         self._last = _clock(self.device)
@@ -257,7 +260,7 @@ class Tuner:
         back to the winner is not. False where it failed (every rank alike, back on the running plan)."""
         trial = self.trials[index]
         try:
-            rep = self.engine.relayout(trial.plan)
+            rep = self.relayout(trial.plan)
         except RelayoutError as e:
             if trial_move:
                 trial.dropped = f"could not switch: {e}"

@@ -1,6 +1,6 @@
 """The table and plot of bench/results/offload/grads/README.md: per machine (one device lease each), DeepSpeed's full
 offloads and Lins with the offloaded units' gradients placed by the solver, from the JSON rows of
-bench/gpu_issue26.sh (parts g-3b, 7b-cap, 3b-ds)."""
+bench/gpu_offload.sh (parts g-3b, 7b-cap, 3b-ds)."""
 import glob
 import json
 import os

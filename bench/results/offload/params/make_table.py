@@ -1,6 +1,6 @@
 """The table and plot of bench/results/offload/params/README.md: per machine (one device lease each), DeepSpeed's
 offloads and Lins with parameters on the host, the footprint and the 40 GiB runs, each timed apart by phase
-(bench/train.py --breakdown), with the machine's host memory rise; from the JSON rows of bench/gpu_issue26.sh."""
+(bench/train.py --breakdown), with the machine's host memory rise; from the JSON rows of bench/gpu_offload.sh."""
 import glob
 import json
 import os

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 26 (offload) on one H200 (device tool, nvidia-h200). DeepSpeed 0.19.8 from .whl (carry it).
-# Usage: OUT=<dir> bash bench/gpu_issue26.sh [smoke] [3b-lins] [3b-ds] [3b-more] [7b] (all by default), or the parts
+# Usage: OUT=<dir> bash bench/gpu_offload.sh [smoke] [3b-lins] [3b-ds] [3b-more] [7b] (all by default), or the parts
 # of the gradient placement: g-smoke g-3b (BUDGETS="19.28 13.29 40" by default) 7b-cap 3b-ds; writes
 # $OUT/<part>_<run>.json and $OUT/log.txt.
 #  smoke  the tiny LLaMA under Lins with every OS on the host (CUDA streams, pinned memory, the worker thread)

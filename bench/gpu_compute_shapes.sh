@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 27 (the simulator's compute from the model's shape) on one H200 (device tool, nvidia-h200), DeepSpeed 0.19.8
-# from .whl (carry it). Usage: OUT=<dir> bash bench/gpu_issue27.sh
+# from .whl (carry it). Usage: OUT=<dir> bash bench/gpu_compute_shapes.sh
 #  1. the compute table of this GPU: python -m bench.compute_profile (GEMMs, attention, bandwidth)
 #  2. a grid of LLaMA shapes (bench/models/shape-*.json; hidden 1024-5120, seq 1024-8192, micro-batch 1-4, with
 #     and without every layer checkpointed), each under DeepSpeed ZeRO-1 and Lins, 6 steps (median of the last 4),

@@ -4,7 +4,7 @@
 #     next to Lins' replicated layout (P=G=OS=1x1), peak allocated after start-up and Lins' prediction;
 #  2. start-up: 7B built under lins_ds.init on one GPU, lins.init "eager" against "per_module";
 #  3. the eager init's CPU cost for 7B (bench/init_cost.py).
-# Usage: bash bench/gpu_issue31.sh [memory|startup] (both when no argument); writes $OUT/*.json.
+# Usage: bash bench/gpu_memory_startup.sh [memory|startup] (both when no argument); writes $OUT/*.json.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1

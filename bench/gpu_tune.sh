@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 28 ("plan": "tune") on one H200 (device tool, nvidia-h200). DeepSpeed 0.19.8 from .whl (carry it).
-# Usage: OUT=<dir> bash bench/gpu_issue28.sh [tune40] [again40] [tune60] [again60]; writes $OUT/<run>.json/.log,
+# Usage: OUT=<dir> bash bench/gpu_tune.sh [tune40] [again40] [tune60] [again60]; writes $OUT/<run>.json/.log,
 # $OUT/log.txt and the decisions cached in $OUT/cache, then one archive of them all.
 #  LLaMA h3072 x 24 (2.92 B), seq 4096, micro-batch 2, gas 2, bf16, AdamW, clip 1; the solver picks activation
 #  checkpointing (no --checkpointing: Lins decides the depth) and, where no GPU-resident plan fits, offload.
