@@ -160,7 +160,9 @@ class Executor:
             return
         if not self._in_backward:
             unit.release()
-        for t in grad_tensors(out) if self.gradients else []:
+        # pytree's containers only: a layer's output may hold a shared object (an older transformers' DynamicCache)
+        # whose attributes are every earlier layer's K/V; hooking those would re-gather this unit in their backward
+        for t in grad_tensors(out, depth=0) if self.gradients else []:
             t.register_hook(lambda grad, u=unit: (self._pre_backward(u), grad)[1])
 
     def _pre_backward(self, unit: Unit):
