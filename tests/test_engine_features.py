@@ -528,7 +528,9 @@ def tiny_hf(kind: str):
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def any_model_runs(kind):
+def against_zero1(make, fixed: dict) -> dict:
+    """ZeRO-1, a solved plan and the fixed plan ``fixed`` (a lins block) on ``make()``'s model: label -> (the states
+    after each step, what start-up printed)."""
     import contextlib
     import io
 
@@ -537,8 +539,8 @@ def any_model_runs(kind):
     out = {}
     for label, cfg in (("zero1", config(zero_optimization={"stage": 1})),
                        ("solve", config({"plan": "solve", "profile": "synthetic", "seq_len": 8})),
-                       ("fixed", config({"plan": ALL_SHARDED}))):
-        model = tiny_hf(kind)
+                       ("fixed", config(fixed))):
+        model = make()
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
@@ -546,6 +548,10 @@ def any_model_runs(kind):
         out[label] = (train(engine, after_step=state), printed.getvalue())
         engine.destroy()
     return out
+
+
+def any_model_runs(kind):
+    return against_zero1(lambda: tiny_hf(kind), {"plan": ALL_SHARDED})
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "gpt_neox"])
@@ -586,25 +592,10 @@ class PlainLM(torch.nn.Module):
 
 def plain_model_runs(wrap_name):
     import collections
-    import contextlib
-    import io
     import types
 
-    import deepspeed
-
     wrap = {"namedtuple": collections.namedtuple("Out", "loss logits"), "namespace": types.SimpleNamespace}[wrap_name]
-    out = {}
-    for label, cfg in (("zero1", config(zero_optimization={"stage": 1})),
-                       ("solve", config({"plan": "solve", "profile": "synthetic", "seq_len": 8})),
-                       ("fixed", config({"plan": ALL_SHARDED, "seq_len": 8}))):
-        model = PlainLM(wrap)
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
-                                              config=cfg)
-        out[label] = (train(engine, after_step=state), printed.getvalue())
-        engine.destroy()
-    return out
+    return against_zero1(lambda: PlainLM(wrap), {"plan": ALL_SHARDED, "seq_len": 8})
 
 
 @pytest.mark.parametrize("wrap", ["namedtuple", "namespace"])
