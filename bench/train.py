@@ -315,30 +315,29 @@ def write_trace_summary(prof, path: str, cuda: bool) -> None:
 def host_step(engine, before: list):
     """Lins with offload, after a step: what the training thread waited for the host in it (updates and gradient
     sums), and the worker's last finished update (seconds waiting for the gradients, updating, uploading)."""
-    host = getattr(getattr(engine, "optimizer", None), "host", None)
-    if host is None or getattr(engine, "lins", None) is None:
+    rt = getattr(engine, "lins", None)
+    stats = rt.host_stats() if rt is not None else None
+    if stats is None:
         return None
-    grads = engine.lins.host_grads
-    total = host.waited_s + (grads.waited_s if grads is not None else 0.0)  # since this offload was built
-    built = f"{id(host)}:{id(grads)}"  # a re-layout (tune) builds the offload anew, its counters from zero
+    total, built = stats["waited_s"], stats["instance"]  # since this offload was built (a re-layout builds anew)
     last = next((s for s in reversed(before) if s), None)
     waited = total - last["waited_total_s"] if last is not None and last["offload"] == built else total
-    return {"waited_s": waited, "waited_total_s": total, "offload": built, "worker_s": host.last_update_s,
-            "worker_spent_s": dict(host.last_spent_s)}
+    return {"waited_s": waited, "waited_total_s": total, "offload": built, "worker_s": stats["worker_s"],
+            "worker_spent_s": stats["worker_spent_s"]}
 
 
 def offload_summary(engine, steps: int):
     """Lins with offload: host memory held, and per step the host worker's time and what the forward waited."""
-    host = getattr(getattr(engine, "optimizer", None), "host", None)
-    if host is None or getattr(engine, "lins", None) is None:
+    rt = getattr(engine, "lins", None)
+    stats = rt.host_stats() if rt is not None else None
+    if stats is None:
         return None
-    grads = engine.lins.host_grads
-    return {"host_gb": engine.optimizer.host_gb(), "predicted_host_gb": engine.lins.plan.host_gb,
-            "offload_units": engine.lins.plan.offload_units, "units": len(engine.lins.units),
-            "offload_grads": engine.lins.plan.offload_grads, "offload_params": engine.lins.plan.offload_params,
-            "host_optimizer": host.opt.name, "worker_s_last_step": host.last_update_s,
-            "waited_s_per_step": host.waited_s / max(1, steps),
-            "grads_waited_s_per_step": grads.waited_s / max(1, steps) if grads is not None else 0.0}
+    return {"host_gb": rt.host_gb(), "predicted_host_gb": rt.plan.host_gb,
+            "offload_units": rt.plan.offload_units, "units": len(rt.units),
+            "offload_grads": rt.plan.offload_grads, "offload_params": rt.plan.offload_params,
+            "host_optimizer": stats["host_optimizer"], "worker_s_last_step": stats["worker_s"],
+            "waited_s_per_step": stats["updates_waited_s"] / max(1, steps),
+            "grads_waited_s_per_step": stats["grads_waited_s"] / max(1, steps)}
 
 
 def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) -> dict:

@@ -226,9 +226,9 @@ if __name__ == "__main__":
 
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-# who calls comm's collectives, and why: a unit's own (unit), the global gradient norm (optimizer), re-layout's
-# moves of whole units (relayout), ZeRO's full-parameter and full-gradient helpers (zero_api)
-COLLECTIVE_CALLERS = {"runtime.step.unit", "runtime.step.optimizer", "runtime.switch.relayout", "integrations.zero_api"}
+# who calls comm's collectives, and why: a unit's own, re-layout's gathers of whole units included (unit); the global
+# gradient norm and the world sums of ZeRO's full-value helpers (runtime)
+COLLECTIVE_CALLERS = {"runtime.step.unit", "runtime.runtime"}
 
 
 def test_only_the_named_modules_issue_collectives():
@@ -241,3 +241,34 @@ def test_only_the_named_modules_issue_collectives():
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "comm"):
                 callers.add(module[len("lins_ds."):])
     assert callers == COLLECTIVE_CALLERS, callers ^ COLLECTIVE_CALLERS
+
+
+# What a plan holds belongs to LinsRuntime (docs/design.md §4): a unit's buffers and groups, the master slices, the host
+# side of offload, the executor and its progress. Outside runtime/step/ (the machinery itself) and runtime/runtime.py
+# (its owner) no module reads these attributes of another object; it asks the runtime.
+RUNTIME_OWNED = {"units", "slices", "update_batches", "masters", "host", "updater", "host_grads", "host_params",
+                 "p_shard", "g_acc", "full", "spec", "groups", "progress", "_executor", "_slot_of", "_lins_solve"}
+REACH_IN_ALLOWED = {  # (module, attribute): why
+    ("runtime.startup.materialize", "spec"): "a Unit hands itself to the materializer while it is built",
+    ("runtime.startup.materialize", "full"): "the same: the unit's buffer it fills",
+    ("runtime.startup.materialize", "p_shard"): "the same: the P chunk it fills",
+    ("runtime.startup.planning", "host"): "context.offload.host: the plan's OffloadSpec (data), not the runtime's",
+    ("integrations.sharded_init", "full"): "its own replay records' values",
+    ("integrations.zero_api", "units"): "ZeRO-3's per-parameter API on each unit's parameters (ds_id, ds_status)",
+}
+
+
+def test_nothing_outside_the_runtime_reads_what_a_plan_holds():
+    found = set()
+    for path, module in modules():
+        short = module[len("lins_ds."):] if module != "lins_ds" else module
+        if part_of(module) == "plan" or short.startswith("runtime.step.") or short == "runtime.runtime":
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if (isinstance(node, ast.Attribute) and node.attr in RUNTIME_OWNED
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                found.add((short, node.attr, f"line {node.lineno}: {ast.unparse(node)}"))
+    bad = sorted(f"{m}: {where}" for m, attr, where in found if (m, attr) not in REACH_IN_ALLOWED)
+    assert not bad, "reach-ins into what LinsRuntime owns:\n" + "\n".join(bad)
+    unused = set(REACH_IN_ALLOWED) - {(m, attr) for m, attr, _ in found}
+    assert not unused, f"allowed reach-ins no module makes any more (drop them): {sorted(unused)}"

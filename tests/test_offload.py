@@ -58,14 +58,14 @@ def offload_facts(engine) -> dict:
     host_units = list(rt.host_units)
     return {"units": len(rt.units), "offload_units": rt.plan.offload_units, "host_units": len(host_units),
             "host_units_are_last": host_units == rt.units[len(rt.units) - len(host_units):],
-            "has_host": opt.host is not None,
-            "host_updater_units": len(opt.host.units()) if opt.host is not None else 0,
-            "on_host_slices_in_host_units": all((s.range.unit in host_units) == s.on_host for s in opt.slices),
-            "host_grad_units": len(rt.host_grads.units()) if rt.host_grads is not None else 0,
+            "has_host": rt.host.updater is not None,
+            "host_updater_units": len(rt.host.updater.units()) if rt.host.updater is not None else 0,
+            "on_host_slices_in_host_units": all((s.range.unit in host_units) == s.on_host for s in rt.master_slices()),
+            "host_grad_units": len(rt.host.grads.units()) if rt.host.grads is not None else 0,
             "host_param_units": [rt.units.index(u) for u in rt.units if u.host_params is not None],
             "host_grad_units_are_host_units": all((u.host_grads is not None) == (u in host_units) for u in rt.units)
-            if rt.host_grads is not None else all(u.host_grads is None for u in rt.units),
-            "host_gb": opt.host_gb(), "client_optimizer": type(opt.optimizer).__name__}
+            if rt.host.grads is not None else all(u.host_grads is None for u in rt.units),
+            "host_gb": rt.host_gb(), "client_optimizer": type(opt.optimizer).__name__}
 
 
 # --- 1. the same trajectory with and without offload -------------------------------------------------------
@@ -166,7 +166,7 @@ def slow_gradient_sums(gas):
                 engine.backward(engine(input_ids=x, labels=x).loss)
                 engine.step()
             states.append(state(engine))
-        out.append((states, engine.lins.host_grads is not None))
+        out.append((states, engine.lins.host.grads is not None))
         engine.destroy()
     return out
 
@@ -265,7 +265,7 @@ def int_steps_then_foreach_adam(ckpt):
         if offload:
             train(engine, steps=1)
             engine.lins.wait()
-            for s in engine.optimizer.slices:
+            for s in engine.lins.master_slices():
                 opt.state[s.param]["step"] = int(opt.state[s.param]["step"])  # DeepSpeedCPUAdam's kind of count
             engine.save_checkpoint(ckpt, tag="t")
         else:
@@ -311,7 +311,7 @@ def save_and_resume(ckpt_on, ckpt_off):
                                       ("offload -> half, other plan", ckpt_on, OS_SHARDED, HALF)):
         engine = make_engine(plan, offload)
         engine.load_checkpoint(ckpt)
-        facts.append((name, offload, engine.lins.plan.offload_units, engine.optimizer.host is not None,
+        facts.append((name, offload, engine.lins.plan.offload_units, engine.lins.host.updater is not None,
                       engine.global_steps))
         resumed[name] = ckpt_steps(engine, K, K)
         engine.destroy()

@@ -66,8 +66,8 @@ def _state(engine) -> dict:
     """Everything a load writes, by value: masters and optimizer state per slice, the module's parameters, the LR
     scheduler, the counters."""
     opt = engine.optimizer
-    out = {f"master/{i}": s.param.detach().clone() for i, s in enumerate(opt.slices)}
-    for i, s in enumerate(opt.slices):
+    out = {f"master/{i}": s.param.detach().clone() for i, s in enumerate(engine.lins.master_slices())}
+    for i, s in enumerate(engine.lins.master_slices()):
         for k, v in opt.state.get(s.param, {}).items():
             out[f"state/{i}/{k}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v))
     out.update({f"module/{k}": v.clone() for k, v in engine.module.state_dict().items()})

@@ -93,7 +93,7 @@ def relayout_pairs(tmp: str):
         rep = engine.relayout(plans[name])
         after = _full_state(engine, f"{tmp}/{i + 1}")
         exact = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-        grads_ok = (engine.lins.host_grads is not None) == plans[name].offload_grads
+        grads_ok = (engine.lins.host.grads is not None) == plans[name].offload_grads
         checks.append((name, exact, engine.lins.layout == plans[name].layout,
                        len(engine.lins.host_units) == plans[name].offload_units and grads_ok, rep.seconds >= 0))
         before = after
@@ -106,8 +106,8 @@ def failed_moves(tmp: str):
     """Rank 1 fails part-way through two moves — the second unit it moves to the host (same layout), the first
     unit it builds under another layout — after the other ranks have done theirs: every rank must raise
     RelayoutError and hold exactly the state it had."""
-    from lins_ds.runtime.step import optimizer as opt_module
-    from lins_ds.runtime.switch import relayout
+    from lins_ds.runtime.step import masters as opt_module
+    from lins_ds.runtime import errors as relayout
     from lins_ds.runtime import runtime as rt_module
 
     engine = _engine({"plan": {"p": [1, 1], "g": [1, 1], "os": [1, 1]}, "host_optimizer": "torch"})
@@ -260,7 +260,7 @@ def test_tune_measures_a_faster_plan_than_the_solver_predicted_and_trains_as_it_
 def failing_candidates_run(tmp: str) -> dict:
     """Rank 1 measures candidate 1 over the budget; rank 2 cannot build candidate 2 (an allocation failure
     outside any collective). Every rank must drop both and go back to candidate 0."""
-    from lins_ds.runtime.switch import relayout, tune
+    from lins_ds.runtime.switch import tune
 
     rank = torch.distributed.get_rank()
     peaks, builds = [], []
@@ -272,20 +272,20 @@ def failing_candidates_run(tmp: str) -> dict:
     if rank == 2:  # the first unit of candidate 2 fails to allocate, after its process groups exist
         from lins_ds.runtime import runtime as rt_module
 
-        real_build, real_unit, fail = relayout._build, rt_module.build_unit, []
+        real_build, real_unit, fail = rt_module.LinsRuntime._rebuild, rt_module.build_unit, []
 
-        def build(runtime, opt, plan, staged, on_change):
+        def build(runtime, plan, staged, on_change):
             builds.append(plan.layout)
             if len(builds) == 2:
                 fail.append(True)
-            return real_build(runtime, opt, plan, staged, on_change)
+            return real_build(runtime, plan, staged, on_change)
 
         def unit(*args, **kwargs):
             if fail:
                 fail.clear()
                 raise MemoryError("test: no memory for this candidate")
             return real_unit(*args, **kwargs)
-        relayout._build, rt_module.build_unit = build, unit
+        rt_module.LinsRuntime._rebuild, rt_module.build_unit = build, unit
     engine = _engine(tune_config(tmp, candidates=3))
     losses = _steps(engine, 0, 8)
     out = {"report": [(r["chosen"], r["dropped"]) for r in engine.lins_tune_report], "losses": losses,
@@ -466,7 +466,7 @@ def test_a_candidates_warm_up_steps_are_not_timed(monkeypatch):
 
 
 def test_a_moved_step_count_is_what_torch_keeps_whatever_optimizer_held_it():
-    from lins_ds.runtime.step.optimizer import scalar_state
+    from lins_ds.runtime.step.masters import scalar_state
 
     p = torch.zeros(3)
     step = scalar_state(7, p, {})  # DeepSpeedCPUAdam's int

@@ -207,3 +207,89 @@ def test_the_table_covers_every_reachable_start():
     assert starts(P_GRID, "whole") | starts(P_GRID, "host") == {s.value for s in ParamState}
     assert starts(G_GRID, "whole") | starts(G_GRID, "sharded") == {s.value for s in GradState}
     assert all(len(w) == len(P_OPS) for *_, w in P_GRID) and all(len(w) == len(G_OPS) for *_, w in G_GRID)
+
+
+# --- the host side's protocol (lins_ds/runtime/step/offload.py: HostOffload) ----------------------------------------
+H_OPS = ("push", "drain_grads", "start_updates", "begin", "settle")
+H_GRID = """
+idle        idle      drained   refused     refused   idle
+drained     refused   drained   downloaded  refused   idle
+downloaded  refused   refused   refused     updating  idle
+updating    updating  refused   refused     refused   idle
+"""  # phase, then the result of each of H_OPS: the phase it leaves, or HostProtocolError (the phase kept)
+
+
+class _FakeUnit:
+    """What HostGrads asks of a unit: its G chunk's size and a wait for its last host update."""
+
+    g_numel, name = 8, "layer0"
+
+    def wait_host_update(self):
+        pass
+
+
+def host_protocol_rows():
+    """Each (phase, operation) on a real HostOffload (CPU device, one unit's host G accumulator): what the phase
+    becomes, or 'refused'. Every rank drives the same rows (settle agrees over the world)."""
+    from lins_ds.runtime.errors import HostProtocolError
+    from lins_ds.runtime.step.offload import HostOffload, HostPhase
+
+    unit = _FakeUnit()
+    out = {}
+    for line in H_GRID.strip().splitlines():
+        start = line.split()[0]
+        for op in H_OPS:
+            host = HostOffload(torch.device("cpu"), torch.float32)
+            host.place_grads([unit])
+            host.protocol.phase = HostPhase(start)
+            call = {"push": lambda: host.grads.push(unit, torch.ones(8)), "drain_grads": host.drain_grads,
+                    "start_updates": lambda: host.start_updates(torch.ones(())), "begin": host.begin,
+                    "settle": host.settle}[op]
+            try:
+                call()
+                out[start, op] = host.protocol.phase.value
+            except HostProtocolError:
+                assert host.protocol.phase.value == start, (start, op)  # a refusal changes nothing
+                out[start, op] = "refused"
+            host.close()
+    return out
+
+
+def test_every_host_offload_transition_gives_what_the_table_says():
+    """The host updates never start before the gradients are final (start_updates only after drain_grads), no
+    gradient comes down between the drain and the update's start, and a step boundary settles any phase."""
+    want = {}
+    for line in H_GRID.strip().splitlines():
+        start, *results = line.split()
+        want.update({(start, op): r for op, r in zip(H_OPS, results)})
+    for got in run(host_protocol_rows, 2):
+        assert got == want, {k: (got[k], want[k]) for k in want if got.get(k) != want[k]}
+
+
+def skipped_drain():
+    """A step whose update starts without draining the host's gradient sums (what a refactor that dropped
+    ``drain_grads`` would do): refused on every rank before any host update reads an accumulator."""
+    import deepspeed
+
+    from lins_ds.runtime.errors import HostProtocolError
+    from lins_ds.runtime.step.offload import HostOffload
+
+    HostOffload.drain_grads = lambda self: None
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)), config=config(
+        {"plan": {"p": [1, 1], "g": [2, 2], "os": [2, 2]}, "offload": {"os": "cpu", "g": "cpu"},
+         "host_optimizer": "torch"}, gradient_clipping=0.0))
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    msg = ""
+    try:
+        for _ in range(engine.gradient_accumulation_steps()):
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+    except HostProtocolError as e:
+        msg = str(e)
+    return msg
+
+
+def test_an_update_started_before_the_gradients_are_final_is_refused():
+    for msg in run(skipped_drain, 4, gpus_per_node=2):
+        assert "start_updates in phase idle, expected drained" in msg, msg

@@ -246,7 +246,7 @@ def _check_optimizer(engine, ckpt, with_state: bool) -> None:
     """Everything this rank's slices will read is in the checkpoint (its files whole, every range and key there):
     checked before anything is written, without a second copy of the state in memory."""
     reader = ckpt.reader
-    for sl in engine.optimizer.slices:
+    for sl in engine.lins.master_slices():
         for name, (a, b), _ in sl.range.by_parameter():
             if not reader.check(name, a, b, "master"):
                 raise LinsCheckpointError(f"load_checkpoint: {ckpt.path} lacks the master weights of {name}")
@@ -260,7 +260,7 @@ def _fill_optimizer(engine, ckpt, with_state: bool) -> None:
     """This rank's master slices (and their optimizer state) from the checkpoint, in place (all of it checked)."""
     opt, reader = engine.optimizer, ckpt.reader
     for gi, group in enumerate(opt.param_groups):
-        for sl in [s for s in opt.slices if any(s.param is p for p in group["params"])]:
+        for sl in [s for s in engine.lins.master_slices() if any(s.param is p for p in group["params"])]:
             state = {k: torch.zeros_like(sl.param.data) for k in ckpt.elementwise} if with_state else {}
             for name, (a, b), (s, e) in sl.range.by_parameter():
                 reader.fill(sl.param.data[s:e], name, a, b, "master")
@@ -306,8 +306,7 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
         return None, None
     with_state = load_optimizer_states and not load_module_only
     opt = engine.optimizer
-    if opt.host is not None:
-        opt.host.join()
+    engine.lins.join_host()
     with opened(found, trust_pickle) as ckpt:
         ckpt.kind_strict = found.kind == LINS
         agreed(lambda: ckpt.check(engine, load_module_strict, with_state))
@@ -320,8 +319,7 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
 
         rest = agreed(check)
         engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
-        if opt.host is not None:
-            opt.host.clear_error()  # what a failed host update left, the checkpoint replaces
+        engine.lins.forget_host_failure()  # what a failed host update left, the checkpoint replaces
         agreed(lambda: _fill_optimizer(engine, ckpt, with_state))  # checked: a failure here is the disk's
     if with_state and ckpt.param_groups:
         _restore_group_hyperparameters(opt.param_groups, ckpt.param_groups, found.kind == LINS)

@@ -22,11 +22,12 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def shard_tensors(opt) -> tuple:
-    """({key: tensor}, [(name, a, b)], {elementwise state keys}, {scalar state keys}) of this rank."""
+def shard_tensors(opt, slices: list) -> tuple:
+    """({key: tensor}, [(name, a, b)], {elementwise state keys}, {scalar state keys}) of this rank's master
+    ``slices`` (``LinsRuntime.master_slices``) and their state in ``opt``."""
     tensors, index, ew_keys, scalar_keys = {}, [], set(), set()
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-    for sl in opt.slices:
+    for sl in slices:
         state = opt.state.get(sl.param, {})
         for name, (a, b), (s, e) in sl.range.by_parameter():
             index.append((name, a, b))
@@ -92,7 +93,7 @@ def _write_shard(engine, tmp: str):
     """This rank's OS chunk, if it is a writer: (file name, index, element-wise keys, scalar keys)."""
     if not engine.lins.is_checkpoint_writer:
         return None
-    tensors, index, ew, sc = shard_tensors(engine.optimizer)
+    tensors, index, ew, sc = shard_tensors(engine.optimizer, engine.lins.master_slices())
     fname = f"shard-{comm.rank():05d}.safetensors"
     save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
     return fname, index, sorted(ew), sorted(sc), file_digest(os.path.join(tmp, fname))
@@ -147,7 +148,7 @@ def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
 def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
          exclude_frozen: bool = False) -> bool:
     tag = _agree_on_tag(engine, tag)
-    engine.optimizer.check_host()  # host updates done on every rank (or every rank raises the failing one's error)
+    engine.lins.check_host()  # host updates done on every rank (or every rank raises the failing one's error)
     engine.lins.wait()  # fp32 masters alias the P storage an in-flight P-sync writes
     tmp = os.path.join(save_dir, tag + INCOMPLETE)
     _agreed(lambda: _start(save_dir, tmp, tag) if comm.rank() == 0 else None)

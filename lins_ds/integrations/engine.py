@@ -27,7 +27,7 @@ from ..plan import Plan
 from ..plan.layout import needs_unsorted_groups
 from ..runtime.memory import memory_guard
 from ..runtime.step import recompute
-from ..runtime.switch import relayout, tune
+from ..runtime.switch import tune
 from ..runtime.step.executor import grad_tensors
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.startup.materialize import is_deferred
@@ -35,7 +35,7 @@ from ..runtime.memory.memory_guard import report_startup
 from ..runtime.step.optimizer import LinsOptimizer, check_elementwise
 from ..runtime.startup.planning import (agree_on_plan, announce, forward_only_plan, gemm_dtype, misaligned_note,
                                         plan_for_length, start_plan)
-from ..runtime.runtime import LinsRuntime
+from ..runtime.runtime import LinsRuntime, runs_differently
 from ..runtime.startup.seq_len import LengthWatch, batch_length
 from . import ds_compat, zero_api
 
@@ -178,7 +178,7 @@ class LinsEngine(DeepSpeedEngine):
         parameters are partitioned, generation that keeps every rank in step (transformers' ``generate`` then runs
         with ``synced_gpus``, as under ZeRO-3: a rank that finished keeps joining the others' gathers)."""
         zero_api.attach(self)
-        partitioned = any(u.releases and u.sharded_p for u in self.lins.units) and dist.get_world_size() > 1
+        partitioned = self.lins.partitions_params() and dist.get_world_size() > 1
         for m in self.module.modules():  # every one: a PEFT model's generate runs the wrapped model's, whose own
             if partitioned:              # flag transformers reads (as the LayerDrop of its speech encoders)
                 m._is_fsdp_managed_module = True  # transformers' test for synced_gpus (ds_compat lists it)
@@ -227,7 +227,7 @@ class LinsEngine(DeepSpeedEngine):
             raise LinsConfigError("relayout: only at an accumulation boundary (after engine.step()), micro-step "
                                   f"{self.micro_steps} is inside a window of {self.gradient_accumulation_steps()}")
         try:
-            return relayout.run(self.lins, self.optimizer, plan, on_device_change=self._apply_checkpointing)
+            return self.lins.apply(plan, on_device_change=self._apply_checkpointing)
         finally:
             self._lins_attach()
 
@@ -239,7 +239,7 @@ class LinsEngine(DeepSpeedEngine):
         with self._running():
             super().step(lr_kwargs=lr_kwargs)
         if before == GUARD_AFTER_STEPS - 1 and self.global_steps == GUARD_AFTER_STEPS:
-            memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device, self.optimizer.host_gb())
+            memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device, self.lins.host_gb())
         if self.lins_tuner is not None and self.global_steps != before and self.lins_tuner.after_step():
             self.lins_tune_report, self.lins_tuner = self.lins_tuner.report, None
 
@@ -298,13 +298,9 @@ class LinsEngine(DeepSpeedEngine):
         if n != ctx.train.seq_len:
             plan, summary, self._lins_solve, host_kind = plan_for_length(self, self.lins_config, ctx, old, n)
             if host_kind is not None:
-                self.optimizer.host_optimizer_kind = host_kind
-            moved = ""
-            if _runs_differently(plan, old):
-                rep = self.relayout(plan)
-                moved = f"; moved onto it in {rep.seconds:.1f} s"
-            else:
-                self.lins.replan(plan)  # the same execution, this length's predictions
+                self.lins.set_host_optimizer(host_kind)
+            rep = self.relayout(plan)  # the same execution: only this length's predictions change, nothing moves
+            moved = f"; moved onto it in {rep.seconds:.1f} s" if runs_differently(plan, old) else ""
             why = "the first training batches are" if first else f"a training batch is longer than {before}:"
             announce(f"lins: {why} {n} tokens long; plan re-sized for {n}{moved}\n{summary}")
         watch.settled, watch.planned = True, n
@@ -313,7 +309,7 @@ class LinsEngine(DeepSpeedEngine):
             plan, summary, cands, decision = self._tune_start(self.lins.plan, "lins tune (sequence length "
                                                               f"{n}, from the training batches):")
             announce(summary)
-            if plan is not self.lins.plan and _runs_differently(plan, self.lins.plan):
+            if plan is not self.lins.plan and runs_differently(plan, self.lins.plan):
                 self.relayout(plan)
             if cands is not None:
                 self._start_tuner(cands, decision)
@@ -339,7 +335,7 @@ class LinsEngine(DeepSpeedEngine):
     # --- full state dict on every rank ------------------------------------------------------------
     def _gather_for_state_dict(self, module, prefix, keep_vars):
         if self.lins is not None:
-            if any(u.releases and u.sharded_p for u in self.lins.units):  # a gather: every rank must be here
+            if self.lins.partitions_params():  # a gather: every rank must be here
                 comm.all_ranks_arrive("engine.module.state_dict() gathers the parameters this plan partitions "
                                       f"({self.lins.plan.layout}), so every rank must call it (accelerate's "
                                       "get_state_dict and the Trainer's save_model do); to save on one rank, call it "
@@ -347,7 +343,7 @@ class LinsEngine(DeepSpeedEngine):
             self.lins.gather_all()
 
     def _copy_out_state_dict(self, module, state_dict, prefix, local_metadata):
-        if self.lins is None or not any(u.releases for u in self.lins.units):  # views of buffers a release frees
+        if self.lins is None or not self.lins.releases_params():  # views of buffers a release frees
             return state_dict
         for k, v in state_dict.items():
             if isinstance(v, torch.Tensor):
@@ -411,14 +407,6 @@ def _hook_hidden_outputs(engine: "LinsEngine", out) -> None:
     if hidden:
         register_output_backward_hooks(hidden, preprocess_once_fn=engine._backward_prologue,
                                        preprocess_per_tensor_fn=engine._backward_prologue_per_tensor)
-
-
-def _runs_differently(a: Plan, b: Plan) -> bool:
-    """Whether two plans execute differently (not only in what they predict)."""
-    def key(p):
-        return (p.topology, p.layout, p.activation_checkpointing_units, p.offload_units, p.offload_grads,
-                p.offload_params)
-    return key(a) != key(b)
 
 
 _LIVE = weakref.WeakSet()  # every LinsEngine built in this process and still referenced

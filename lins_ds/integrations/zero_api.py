@@ -31,8 +31,6 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
-from .. import comm
-
 # module -> a weak reference to its LinsRuntime (the runtime holds the module: a strong one would keep both alive)
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _metadata_reads = [0]  # > 0 while code that reads only shapes runs (num_parameters): no wait
@@ -93,14 +91,11 @@ def detach(engine) -> None:
 def full_value(engine, param, key=None) -> torch.Tensor:
     """The fp32 master of ``param`` (``key`` None) or its element-wise optimizer state ``key``, whole, on every rank."""
     rt, opt = engine.lins, engine.optimizer
-    if opt.host is not None:
-        opt.host.join()  # masters on the host are being written by the last step's update
-    unit, slot = rt.slot_of(param)
+    rt.join_host()  # masters on the host are being written by the last step's update
+    unit, slot, slices = rt.master_slices_of(param)
     buf = torch.zeros(slot.numel + 1, dtype=torch.float32, device=rt.device)
     if rt.is_checkpoint_writer:  # one OS replica contributes: the sum is exact
-        for sl in opt.slices:
-            if sl.range.unit is not unit:
-                continue
+        for sl in slices:
             src = sl.param.data if key is None else opt.state.get(sl.param, {}).get(key)
             for name, (a, b), (s, e) in sl.range.by_parameter():
                 if name != slot.name:
@@ -109,7 +104,7 @@ def full_value(engine, param, key=None) -> torch.Tensor:
                     buf[-1] = 1.0  # no such element-wise state (yet) on this rank
                     continue
                 buf[a:b].copy_(src[s:e])
-    comm.all_reduce(rt.groups, "world", buf, tag="full-param")
+    rt.sum_over_world(buf, "full-param")
     if buf[-1].item():
         raise ValueError(f"lins: parameter {slot.name} has no element-wise optimizer state {key!r} (yet): "
                          f"keys after a step: {sorted(_state_keys(opt))}")
@@ -120,15 +115,12 @@ def set_full_value(engine, param, value: torch.Tensor, key=None) -> None:
     """Write ``value`` (the whole parameter, the same on every rank) into the fp32 master or state ``key`` of every
     slice this rank holds, and, for the master, into the parameter this rank holds; no collective."""
     rt, opt = engine.lins, engine.optimizer
-    if opt.host is not None:
-        opt.host.join()
+    rt.join_host()
     rt.params_current()
-    unit, slot = rt.slot_of(param)
+    unit, slot, slices = rt.master_slices_of(param)
     flat = value.detach().reshape(-1)
     with torch.no_grad():
-        for sl in opt.slices:
-            if sl.range.unit is not unit:
-                continue
+        for sl in slices:
             dst = sl.param.data if key is None else opt.state.get(sl.param, {}).get(key)
             if not (torch.is_tensor(dst) and dst.shape == sl.param.shape):
                 raise ValueError(f"lins: parameter {slot.name} has no element-wise optimizer state {key!r}")
@@ -136,15 +128,7 @@ def set_full_value(engine, param, value: torch.Tensor, key=None) -> None:
                 if name == slot.name:
                     dst[s:e].copy_(flat[a:b])
         if key is None:
-            write_param(unit, slot, flat)
-
-
-def write_param(unit, slot, flat: torch.Tensor) -> None:
-    """The part of ``slot``'s values this rank holds in P (its P chunk, or the whole unit), from ``flat``."""
-    if unit.releases:
-        unit.p_shard_write(slot, flat.to(unit.dtype))
-    else:
-        unit.full[slot.offset:slot.offset + slot.numel].copy_(flat)
+            unit.write_param(slot, flat)
 
 
 def full_grad(engine, param) -> torch.Tensor:
@@ -152,7 +136,7 @@ def full_grad(engine, param) -> torch.Tensor:
     rt, opt = engine.lins, engine.optimizer
     _require_window(rt)
     rt.finish_gradients()  # every replica AllReduce done (the step's own call then finds nothing to do)
-    rt.host_grad_square_sum()  # G on the host: every push of the window added in
+    rt.host_grads_final()  # G on the host: every push of the window added in
     unit, slot = rt.slot_of(param)
     buf = torch.zeros(slot.numel, dtype=torch.float32, device=rt.device)
     r = unit.os_range(slot.group)
@@ -161,7 +145,7 @@ def full_grad(engine, param) -> torch.Tensor:
         for name, (a, b), (s, e) in r.by_parameter():
             if name == slot.name:
                 buf[a:b].copy_(grads[s:e])
-    comm.all_reduce(rt.groups, "world", buf, tag="full-grad")
+    rt.sum_over_world(buf, "full-grad")
     return buf.div_(rt.topo.world_size * opt.cur_scale).view(slot.shape)
 
 
@@ -171,19 +155,15 @@ def set_full_grad(engine, param, value: torch.Tensor) -> None:
     rt, opt = engine.lins, engine.optimizer
     _require_window(rt)
     rt.finish_gradients()
-    rt.host_grad_square_sum()
+    rt.host_grads_final()
     unit, slot = rt.slot_of(param)
     flat = value.detach().reshape(-1).float() * (rt.topo.world_size * opt.cur_scale)
-    with torch.no_grad():
-        for s_, (a, b), (s, e) in unit.slices_by_parameter(unit.g_base, unit.g_base + unit.g_numel):
-            if s_ is slot:
-                unit.g_acc[s:e].copy_(flat[a:b])
-    if rt.host_grads is not None:
-        rt.host_grads.forget_norms()
+    unit.write_grad(slot, flat)
+    rt.host_grads_written()
 
 
 def _require_window(rt) -> None:
-    if not rt.progress.window_done:
+    if not rt.window_done():
         raise ValueError("lins: the full gradient is available between the backward that ends an accumulation window "
                          "and engine.step() (as under ZeRO-1/2)")
 
@@ -245,7 +225,8 @@ def _partition(self, param_list=None, hierarchy=None, has_been_updated=False, fr
             if engine.optimizer is not None:
                 set_full_value(engine, p, p.data.float())
             else:  # forward only: the parameters are all there is
-                write_param(*engine.lins.slot_of(p), p.data.reshape(-1))
+                unit, slot = engine.lins.slot_of(p)
+                unit.write_param(slot, p.data.reshape(-1))
     engine.lins.unhold_params(params)
 
 

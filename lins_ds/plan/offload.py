@@ -29,7 +29,7 @@ HOST_STATE_BYTES = 4 + 8  # fp32 master and Adam's two fp32 moments, always on t
 
 @dataclass(frozen=True)
 class HostSpec:
-    """What this machine's host does for offload: measured at start-up (``lins_ds.runtime.step.offload.measure``)
+    """What this machine's host does for offload: measured at start-up (``lins_ds.runtime.step.host_optimizer.measure``)
     or given (``lins-ds plan --host-*``)."""
 
     capacity_gb: float  # host memory this rank may pin (the node's available memory / its ranks)

@@ -16,3 +16,8 @@ class UnitStateError(RuntimeError):
 
 class RelayoutError(RuntimeError):
     """Building the new plan failed on some rank; every rank is back on the old plan, its state intact."""
+
+
+class HostProtocolError(RuntimeError):
+    """A step of the host-offload protocol asked out of order (``HostOffload``: drain_grads -> start_updates -> begin ->
+    settle): a bug in who drives it, e.g. a host update about to read gradients not yet final."""

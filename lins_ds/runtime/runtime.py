@@ -1,13 +1,15 @@
-"""LinsRuntime: a model's units, process groups and hooks under one plan; the only door into them for the
-engine, the optimizer, the checkpoints and users (docs/design.md §4).
+"""LinsRuntime: everything of one plan — a model's units, process groups and hooks, this rank's master slices
+(``Masters``) and the host side of offload (``HostOffload``) — and the only door into them for the engine, the
+optimizer adapter, the checkpoints and users (docs/design.md §4). ``apply(plan)`` is the one way a plan takes effect:
+at start-up, and at an accumulation boundary for a re-sized, re-laid or tuned plan (§14).
 
 Each step of training has one method here and one caller:
 
     backward starts   begin_backward()     LinsOptimizer.backward_prologue (DeepSpeed calls it per backward)
     backward ends     end_backward()       LinsOptimizer.backward_epilogue
-    boundary          finish_gradients()   LinsOptimizer.step: the window's gradients final
-    update            (the optimizer, on os_ranges())
-    P-sync            sync_parameters()    LinsOptimizer.step (and a checkpoint load, a re-layout)
+    boundary          finish_gradients()   LinsOptimizer.step: the window's gradients final (and check_host())
+    norm              grad_norm()          LinsOptimizer.step
+    update + P-sync   update(coef)         LinsOptimizer.step: host updates started, device masters updated, P-synced
 
 The forward is the executor's hooks'. ``Progress`` says where training is; only these methods change it.
 """
@@ -15,6 +17,8 @@ The forward is the executor's hooks'. ``Progress`` says where training is; only 
 from __future__ import annotations
 
 import contextlib
+import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -23,12 +27,31 @@ from .. import comm
 from ..plan import Plan
 from ..plan.layout import is_first_replica
 from ..plan.offload import grads_may_leave, hides_behind_forward, params_may_leave
+from ..plan.tune import label
+from .errors import RelayoutError
 from .startup import init_replay
 from .startup.assign import assign_units, build_unit
+from .step import staging
 from .step.executor import Executor, Phase, Progress
 from .startup.materialize import Materializer, is_deferred
-from .step.offload import HOST_PIECE, HostGrads, HostParams
+from .step.masters import Masters
+from .step.offload import HostOffload
 from .step.unit import ParamState
+
+
+@dataclass
+class RelayoutReport:
+    seconds: float
+    extra_peak_gb: float  # the device's peak during the move above what the old or the new plan holds (0 on CPUs)
+    staged_gb: float  # host memory the staging took on this rank
+
+
+def runs_differently(a: Plan, b: Plan) -> bool:
+    """Whether two plans execute differently (not only in what they predict)."""
+    def key(p):
+        return (p.topology, p.layout, p.activation_checkpointing_units, p.offload_units, p.offload_grads,
+                p.offload_params)
+    return key(a) != key(b)
 
 
 class LinsRuntime:
@@ -49,20 +72,30 @@ class LinsRuntime:
             for p in group["params"]:
                 if p.requires_grad or forward_only:  # else frozen parameters stay whole on every rank, outside units
                     self._group_of.setdefault(p, gi)
+        self.plan: Optional[Plan] = None
+        self.masters: Optional[Masters] = None  # this rank's master slices, once an optimizer is attached
+        self._basic, self._host_kind = None, "torch"
         # a model built without values (lins_ds.init, the meta device) gets them unit by unit, and the rest whole
-        mat = Materializer(module, device, init=init) if is_deferred(module) else None
+        self._start = (Materializer(module, device, init=init) if is_deferred(module) else None, device)
+        self.apply(plan)
+
+    def _first(self, plan: Plan) -> None:
+        """Start-up: the first plan built, a deferred model's values made as its units are."""
+        mat, device = self._start
         self._build(plan, mat, device)
         if mat is not None:
-            _materialise_outside_units(module, mat, device)
+            _materialise_outside_units(self.module, mat, device)
             init_replay.release()
             # the units' parameters replaced the meta ones: a re-layout finds them by the new objects
             self._group_of = {s.param: s.group for u in self.units for s in u.slots}
+        self._start = None
 
     def _build(self, plan: Plan, mat: Optional[Materializer], device: Optional[torch.device]) -> None:
         """Groups first (every rank creates them, in one order), then the units (local: no collective)."""
         self.plan, self.topo, self.layout = plan, plan.topology, plan.layout
         self.groups = comm.Groups(self.topo, self.layout, check_order=self._check_collectives)
         root_params, layer_entries = assign_units(self.module, self._group_of, self._unit_modules)
+        self.host = HostOffload(device, self._accum_dtype)
 
         def build(name, mods, params, is_root=False):
             return build_unit(name, mods, params, self._group_of, self.topo, self.layout, self.groups,
@@ -72,12 +105,10 @@ class LinsRuntime:
         # never on the device at once (docs/design.md §13)
         n_units = (1 if root_params else 0) + len(layer_entries)
         first_host_p = _first_offloaded(plan, n_units) if plan.offload_params else n_units
-        self.host_params = None
 
         def placed(unit):
             if len(self.units) >= first_host_p:
-                self.host_params = self.host_params or HostParams(unit.device)
-                unit.place_params(self.host_params)
+                unit.place_params(self.host.params_pool(unit.device))
             self.units.append(unit)
             return unit
 
@@ -88,29 +119,22 @@ class LinsRuntime:
             placed(build(name, mods, params))
         layers = self.units[1:] if root is not None else self.units
         self.device = self.units[0].device if self.units else (device or torch.device("cpu"))
+        self.host.device = self.device
         self.progress = Progress()
         self._executor = Executor(self.module, root, layers, self._reduce_dtype, self.progress,
                                   gradients=not self.forward_only)
         self.os_replicas = self.topo.world_size // self.layout.os.size
-        self.host_grads = None
         self._slot_of = {s.param: (u, s) for u in self.units for s in u.slots}
         self._outside = [p for p in self.module.parameters() if p not in self._slot_of]
         self._place(plan)
         # one replica of every OS chunk writes it to a checkpoint: the ranks whose replica digits are 0
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
 
-    def replan(self, plan: Plan) -> None:
-        """``plan`` differs from this one only where the units stay (checkpointing depth, which units keep their
-        OS on the host): the same units, groups and hooks; the optimizer moves what changed place."""
-        if plan.layout != self.layout or plan.topology != self.topo:
-            raise ValueError(f"replan: {plan.layout} on {plan.topology} is another layout; use relayout")
-        self.plan = plan
-        self._place(plan)
-
     def _place(self, plan: Plan) -> None:
         """The plan's last ``offload_units`` units keep their OS on the host (forward order: root first), with
         ``offload_grads`` their G accumulators too (``HostGrads``), with ``offload_params`` their P chunks
         (``HostParams``); every other unit's G and P on the device."""
+        self.plan = plan
         self.host_units = self.units[_first_offloaded(plan, len(self.units)):]
         grads = self.host_units if plan.offload_grads else []
         params = self.host_units if plan.offload_params else []
@@ -120,46 +144,145 @@ class LinsRuntime:
         if params and not params_may_leave(self.layout):
             raise ValueError(f"lins: plan keeps parameters on the host, which {self.layout} does not allow (s_p != "
                              "s_os: a P-sync follows the update)")
-        if params and self.host_params is None:
-            self.host_params = HostParams(self.device)
         for unit in self.units:
-            unit.place_params(self.host_params if unit in params else None)
-        self._place_grads(grads)
-
-    def _place_grads(self, grads: list) -> None:
-        if self.host_grads is not None and self.host_grads.units() == grads:
-            return  # the same units keep their host accumulators
-        if self.host_grads is not None:
-            self.host_grads.close()
-            self.host_grads = None
-        self.host_grads = HostGrads(grads, self._accum_dtype, self.device) if grads else None
+            unit.place_params(self.host.params_pool(self.device) if unit in params else None)
+        host_grads = self.host.place_grads(grads)
         for unit in self.units:
-            unit.place_grads(self.host_grads if unit in grads else None)
+            unit.place_grads(host_grads if unit in grads else None)
 
-    def relayout(self, plan: Plan) -> None:
-        """Drop this plan's units, groups and hooks and build ``plan``'s on the same module (every rank calls
-        it; the values come from the caller: ``lins_ds.runtime.switch.relayout.run`` stages and writes them)."""
+    # --- the optimizer's state: this rank's master slices (docs/design.md §3 step 4) ----------------------------
+    def attach_optimizer(self, basic, host_kind: str = "torch") -> None:
+        """``basic`` (the client's element-wise optimizer) now steps this rank's master slices of every unit's OS
+        chunk; ``host_kind`` ("torch" or "deepspeed") updates those the plan keeps on the host."""
+        self._basic, self._host_kind = basic, host_kind
+        self._make_masters()
+
+    def set_host_optimizer(self, kind: str) -> None:
+        """What updates the host units from the next plan on (a re-sized plan measured the host again)."""
+        self._host_kind = kind
+
+    def _make_masters(self) -> None:
+        self.masters = Masters(self._basic, self.units, self.host_units)
+        self._place_updater()
+
+    def _place_updater(self) -> None:
+        self.host.place_updater(self._basic, self._host_kind, self.masters.on_host() if self.masters else [])
+
+    def master_slices(self) -> list:
+        """This rank's master slices (``MasterSlice``: ``param``, ``range`` with ``by_parameter()``, ``on_host``,
+        ``write_back()``), group-major, units in order: what a checkpoint saves and loads."""
+        return list(self.masters.slices) if self.masters is not None else []
+
+    def master_slices_of(self, param) -> tuple:
+        """(unit, slot, the master slices of its unit) for trainable ``param`` (``zero_api``'s full values)."""
+        unit, slot = self._slot_of[param]
+        return unit, slot, self.masters.of_unit(unit) if self.masters is not None else []
+
+    def join_host(self) -> None:
+        """This rank's host updates done (no collective): what a read of the host masters needs."""
+        self.host.join()
+
+    def forget_host_failure(self) -> None:
+        """A checkpoint load replaces what a failed host update left: training may go on."""
+        self.host.forget()
+
+    # --- the one way a plan takes effect (docs/design.md §14) ---------------------------------------------------
+    def apply(self, plan: Plan, on_device_change: Optional[Callable] = None) -> Optional[RelayoutReport]:
+        """Make ``plan`` the running plan. At start-up: build it. Later every rank calls it at an accumulation boundary
+        (after ``step()``): a plan that runs the same (only its predictions differ) replaces the old at once; under the
+        same layout only the units whose OS, G or P change place move, one at a time; another layout is staged,
+        rebuilt and filled (``step/staging.py``). ``on_device_change(plan)`` re-applies what lives on the modules
+        (activation checkpointing). A failure on any rank is every rank's: each goes back to the running plan, its
+        state intact, and raises ``RelayoutError``."""
+        if self.plan is None:
+            return self._first(plan)
+        if plan.topology != self.topo:
+            raise RelayoutError(f"relayout: plan for {plan.topology}, this run is {self.topo}")
+        digests = comm.all_gather_object(plan.digest())
+        if len(set(digests)) != 1:
+            raise RelayoutError(f"relayout: ranks were given different plans (digests {digests})")
+        if not runs_differently(plan, self.plan):
+            self.plan = plan  # this plan's predictions, the same execution: nothing moves
+            return RelayoutReport(0.0, 0.0, 0.0)
+        t0, dev = time.perf_counter(), self.device
+        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        self.check_host()
+        self.settle()
+        old = self.plan
+        if plan.layout == old.layout:
+            self._switch(lambda p: self._move(p, on_device_change), plan, old)
+            return _report(dev, t0, base, 0)
+        new_state, old_state = staging.stage(self.units, self.masters, self.topo, self.groups.rank, self.device,
+                                             [plan.layout, old.layout])
+        self._switch(lambda p: self._rebuild(p, new_state if p is plan else old_state, on_device_change), plan, old)
+        self.sync_parameters()
+        self.wait()
+        return _report(dev, t0, base, staging.nbytes(new_state, old_state))
+
+    def _switch(self, build: Callable, plan: Plan, old: Plan) -> None:
+        """``build(plan)`` on every rank; where it failed on any, ``build(old)`` on every rank and ``RelayoutError``."""
+        error = comm.agree(_try(lambda: build(plan)))
+        if error is None:
+            return
+        again = comm.agree(_try(lambda: build(old)))
+        if again is not None:
+            raise RuntimeError(f"relayout: could not go back to the running plan either ({again}); this rank's "
+                               "state may be lost: resume from the last checkpoint") from None
+        if plan.layout != old.layout:
+            self.sync_parameters()
+        raise RelayoutError(f"relayout to {_describe(plan)} failed on a rank ({error}); back on {_describe(old)}")
+
+    def _move(self, plan: Plan, on_device_change: Optional[Callable]) -> None:
+        """The same layout: units, groups and hooks stay; the units whose OS changes place move with their state (to
+        the host first, then to the device, one unit at a time), their G and P with them."""
+        self._place(plan)
+        if on_device_change is not None:
+            on_device_change(plan)
+        if self.masters is not None:
+            self.host.place_updater(self._basic, self._host_kind, [])  # its pinned copies go with the slices moved
+            self.masters.place(self.units, self.host_units)
+            self._place_updater()
+
+    def _rebuild(self, plan: Plan, staged: list, on_device_change: Optional[Callable]) -> None:
+        """Another layout: the optimizer's state dropped first (the staging holds it), so that the device never
+        holds two plans'; this plan's units, groups and hooks torn down; ``plan``'s built and filled."""
+        if self.masters is not None:
+            self.masters.release()
         self._teardown()
         self._build(plan, None, self.device)
+        if on_device_change is not None:
+            on_device_change(plan)
+        if self._basic is not None:
+            self._make_masters()
+            staging.fill(self.units, self.masters, staged)
 
     def _teardown(self) -> None:
-        """What a plan holds, gone: hooks, groups, and every unit's buffers (parameters keep their shape, no
-        storage). Issues no collective; safe on a half-built runtime."""
+        """What a plan holds, gone: hooks, groups, the host side, and every unit's buffers (parameters keep their
+        shape, no storage). Issues no collective; safe on a half-built runtime."""
         if getattr(self, "_executor", None) is not None:
             self.wait()
             self._executor.remove_hooks()
             self._executor = None
         if not self.groups.destroyed:
             self.groups.destroy()
+        self.host.close()  # its worker writes P chunks: done before they are freed
         for unit in self.units:
             unit.free()
-        if self.host_grads is not None:
-            self.host_grads.close()
-        self.units, self.host_units, self.host_grads, self.host_params = [], [], None, None
+        self.units, self.host_units, self.masters = [], [], None
 
     @property
     def destroyed(self) -> bool:
         return self.groups.destroyed
+
+    def partitions_params(self) -> bool:
+        """Whether some unit's parameters are split over ranks (a full read gathers: every rank must take part)."""
+        return any(u.releases and u.sharded_p for u in self.units)
+
+    def releases_params(self) -> bool:
+        """Whether some unit's full parameters exist only while gathered for use (P sharded, or on the host)."""
+        return any(u.releases for u in self.units)
 
     def layer_modules(self) -> list:
         """Each layer unit's modules, in order (what activation checkpointing applies to)."""
@@ -173,8 +296,8 @@ class LinsRuntime:
     def begin_backward(self) -> None:
         self.progress.phase, self.progress.ends_window = Phase.BACKWARD, self._ends_window()
         self.progress.window_done = False
-        if self.host_grads is not None:
-            self.host_grads.ends_window = self.progress.ends_window
+        if self.host.grads is not None:
+            self.host.grads.ends_window = self.progress.ends_window
         self._executor.begin_backward()
 
     def end_backward(self) -> None:
@@ -194,20 +317,62 @@ class LinsRuntime:
         for unit in self.units:
             unit.wait_param_sync()
 
+    def check_host(self) -> None:
+        """The last host update finished on every rank, or every rank raises the failing rank's error (a failure on one
+        rank alone would leave the others waiting in a collective). Every rank calls it at the same point: the step,
+        a save, a re-layout. Nothing (no collective) where the plan offloads nothing: the same on every rank."""
+        if self.host_units:
+            self.host.settle()
+
+    def grad_norm(self, inv_scale: float) -> torch.Tensor:
+        """Global L2 norm of the true (unscaled, averaged) gradient, on the device; each element once."""
+        host = self.host.grads is not None  # then a second element: the ranks whose host gradient work failed
+        sq = torch.zeros(2 if host else 1, dtype=torch.float32, device=self.device)
+        for g in self.os_grads():  # accumulated in fp32 without an fp32 copy of the chunk
+            sq[0] += torch.linalg.vector_norm(g, 2, dtype=torch.float32).square()
+        if host:  # G on the host: its norm taken there as the gradients came down (docs/design.md §13)
+            sq[0] += self.host.grad_square_sum()
+            sq[1] = 1.0 if self.host.grad_error() else 0.0
+        comm.all_reduce(self.groups, "world", sq, tag="grad-norm")  # every OS chunk is held by world/s_os replicas
+        if host and sq[1].item():  # a host failure on any rank raises on every rank, after the collective
+            raise RuntimeError(self.host.grad_error() or "lins: adding gradients on the host failed on another rank")
+        return (sq[0] / self.os_replicas).sqrt() * inv_scale
+
     @torch.no_grad()
-    def sync_parameters(self, host=None, downloads: Optional[list] = None) -> None:
-        """After the update: gather each P chunk from the OS chunks of its P-sync group (asynchronously
-        when overlapping; each unit's next use waits for its own gather). ``host`` (a HostUpdater, with the
-        ``downloads`` it launched) starts the offloaded units' host updates; where no P-sync follows them and
-        overlap is on, they outlive this call and each unit's next use waits for its own (docs/design.md §13);
-        else they are waited for here, in unit order, each unit's P-sync launched after its update."""
+    def update(self, coef: torch.Tensor) -> None:
+        """The step after the norm (every rank): the host updates start once their gradients are final (drain, then
+        download, then each unit UPDATING: ``HostOffload``'s protocol), the device masters update, the parameters
+        follow (P-sync), the gradients are dropped. ``coef`` scales each gradient (loss scale, averaging, clipping)."""
+        self._refuse_held()  # before the host side moves: a user's error leaves it as it was
+        host = self.host if self.host_units else None  # the plan's: the same on every rank
+        if host is not None:
+            host.drain_grads()
+            host.start_updates(coef)  # the host units' gradients leave first
+        self.masters.update(coef)
+        self._sync(host.begin if host is not None else None)
+        self.zero_gradients()
+
+    def _refuse_held(self) -> None:
         held = [u.name for u in self.units if u.held]
         if held:
             raise RuntimeError(f"lins: engine.step() inside deepspeed.zero.GatheredParameters (units {held[:3]} are "
                                "held gathered): leave the context before the step, which rewrites the parameters")
+
+    def sync_parameters(self) -> None:
+        """Gather each P chunk from the OS chunks of its P-sync group (a checkpoint load, a re-layout: the masters were
+        written directly); asynchronously when overlapping, each unit's next use waiting for its own gather."""
+        self._sync(None)
+
+    @torch.no_grad()
+    def _sync(self, begin_host: Optional[Callable]) -> None:
+        """After the update: each P chunk from the OS chunks of its P-sync group. ``begin_host`` starts the offloaded
+        units' host updates; where no P-sync follows them and overlap is on, they outlive this call and each unit's
+        next use waits for its own (docs/design.md §13); else they are waited for here, in unit order, each unit's
+        P-sync launched after its update."""
+        self._refuse_held()
         self.release_all()  # gathered copies are stale now
-        if host is not None:
-            host.start(downloads)
+        if begin_host is not None:
+            begin_host()
         lazy = self.overlap_param_sync and hides_behind_forward(self.layout)
         for unit in self.units:
             if unit.param_state is ParamState.UPDATING:
@@ -276,8 +441,8 @@ class LinsRuntime:
 
     def zero_gradients(self) -> None:
         self.progress.window_done = False
-        if self.host_grads is not None:
-            self.host_grads.reset()
+        if self.host.grads is not None:
+            self.host.grads.reset()
         for unit in self.units:
             unit.reset_grads()
 
@@ -285,6 +450,15 @@ class LinsRuntime:
         """Every .grad back on its accumulator view, or None (the optimizer's zero_grad)."""
         for unit in self.units:
             unit.attach_grads()
+
+    def window_done(self) -> bool:
+        """Whether the backward that ends an accumulation window is done and ``step()`` has not yet run (the window's
+        full gradient is readable: ``safe_get_full_grad``)."""
+        return self.progress.window_done
+
+    def sum_over_world(self, t: torch.Tensor, tag: str) -> None:
+        """``t`` summed over every rank, in place (every rank calls it: ZeRO's full-value helpers)."""
+        comm.all_reduce(self.groups, "world", t, tag=tag)
 
     def check_collectives(self) -> None:
         """With ``lins.check_collectives``: every rank issued the same collectives, in the same order on each
@@ -294,28 +468,19 @@ class LinsRuntime:
             comm.check_order(self.groups, f"optimizer step {self._checks}")
 
     # --- what the optimizer and the checkpoints see ----------------------------------------------
-    def os_ranges(self, group: int) -> list:
-        """This rank's part of param group ``group`` in each unit's OS chunk (``OSRange``), root first; an
-        offloaded unit's in pieces of at most ``HOST_PIECE`` elements (host tensors the worker updates one by one)."""
-        out = []
-        for u in self.units:
-            r = u.os_range(group)
-            if r is not None:
-                out += r.pieces(HOST_PIECE) if u in self.host_units else [r]
-        return out
-
     def os_grads(self) -> list:
         """Each unit's accumulated gradient of this rank's OS chunk (padding included, which stays zero), on the
-        device: the units whose G lives on the host are not among them (``host_grad_square_sum``)."""
+        device: the units whose G lives on the host are not among them (``HostOffload.grad_square_sum``)."""
         return [u.os_grad() for u in self.units if u.host_grads is None]
 
-    def host_grad_square_sum(self) -> float:
-        """The squared L2 norm of this rank's host G accumulators for the window (0.0 with none; NaN where the host
-        failed, ``host_grad_error``); at the step."""
-        return self.host_grads.square_sum() if self.host_grads is not None else 0.0
+    def host_grads_final(self) -> None:
+        """Every push of the window added into the host G accumulators (``zero_api``'s full gradient reads them)."""
+        self.host.grad_square_sum()
 
-    def host_grad_error(self) -> str:
-        return self.host_grads.error() if self.host_grads is not None else ""
+    def host_grads_written(self) -> None:
+        """A host G accumulator was written from outside (``safe_set_full_grad``): its norm is taken again."""
+        if self.host.grads is not None:
+            self.host.grads.forget_norms()
 
     def param_groups_by_name(self) -> dict:
         """Trainable parameter name -> optimizer param group index."""
@@ -333,14 +498,26 @@ class LinsRuntime:
 
     def settle(self) -> None:
         """Every unit's P chunk current (a host update finished, a P-sync completed) and every collective done:
-        what a re-layout or a checkpoint reads. The host update's errors are the optimizer's to agree first."""
+        what a re-layout or a checkpoint reads. Host update errors are agreed first, by ``check_host``."""
         for unit in self.units:
             unit.wait_param_sync()
         self.wait()
 
-    def host_param_bytes(self) -> int:
-        """Host bytes of the P chunks the plan keeps on the host (0 without)."""
-        return sum(u.p_shard.nbytes for u in self.units if u.host_params is not None)
+    def host_gb(self) -> float:
+        """Host memory the plan's offloaded state holds on this rank (0 without offload): masters, their optimizer
+        state, gradient and parameter copies. The host updates in flight are waited for only while an update has yet
+        to make its optimizer state (the first): a later step's are not (the memory guard asks during training,
+        where a wait would expose a whole host update)."""
+        if self.host.updater is None:  # no offload, or this rank's share of the host units is only padding
+            return 0.0
+        if self.masters is not None and not self.masters.host_state_made():
+            self.host.join()
+        params = sum(u.p_shard.nbytes for u in self.units if u.host_params is not None)
+        return (self.host.nbytes() + params) / 2**30
+
+    def host_stats(self) -> Optional[dict]:
+        """The host side's counters (``HostOffload.stats``), None where the plan offloads nothing."""
+        return self.host.stats() if self.host.updater is not None else None
 
     def wait(self) -> None:
         """Wait for every collective still in flight (P-sync, prefetch, ReduceScatter, AllReduce); issues
@@ -354,10 +531,31 @@ class LinsRuntime:
         self.wait()
         self._executor.remove_hooks()
         self.groups.destroy()
-        if self.host_grads is not None:
-            self.host_grads.close()
+        self.host.close(wait=False)
         if any(u.releases for u in self.units):  # the module keeps only P chunks (or host copies): refuse to run it
             self.module.register_forward_pre_hook(_sharded_after_destroy)
+
+
+def _describe(plan: Plan) -> str:
+    return label(plan.layout, plan.activation_checkpointing_units, plan.num_layers, plan.offload_units,
+                 grads=plan.offload_grads, params=plan.offload_params)
+
+
+def _report(dev, t0: float, base: int, host_bytes: int) -> RelayoutReport:
+    # the peak above what the old or the new plan holds at rest: what the move itself costs
+    peak = ((torch.cuda.max_memory_allocated(dev) - max(base, torch.cuda.memory_allocated(dev))) / 2**30
+            if dev.type == "cuda" else 0.0)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the move's freed blocks back to the device: the new plan starts unfragmented
+    return RelayoutReport(time.perf_counter() - t0, peak, host_bytes / 2**30)
+
+
+def _try(fn):
+    try:
+        fn()
+        return None
+    except Exception as e:  # noqa: BLE001 - agreed by the caller: every rank goes back together
+        return f"{type(e).__name__}: {e}"
 
 
 def _first_offloaded(plan: Plan, n_units: int) -> int:

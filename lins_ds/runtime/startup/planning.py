@@ -27,10 +27,10 @@ from ...plan.layout import needs_unsorted_groups
 from ...plan.memory import ActivationProfile
 from ...plan.spec import ALIGN_BYTES
 from ...plan.model import from_hf_config, measured
-from ..step import offload, recompute
+from ..step import host_optimizer, recompute
 from .assign import assign_units, find_layers
 from ..config import LinsConfig, LinsConfigError
-from ..step.optimizer import steps_per_parameter
+from ..step.masters import steps_per_parameter
 
 
 def _model_spec(module: torch.nn.Module, cfg: LinsConfig):
@@ -184,7 +184,7 @@ def offload_spec(basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tupl
         kind = "torch" if cfg.host_optimizer == "auto" else cfg.host_optimizer
         return OffloadSpec(mode, fraction, HostSpec(capacity, source="assumed: a CPU device"), grads, params), kind
     try:
-        found, error = offload.measure(basic, cfg.host_optimizer, device, capacity, grad_dtypes=grad_dtypes), None
+        found, error = host_optimizer.measure(basic, cfg.host_optimizer, device, capacity, grad_dtypes=grad_dtypes), None
     except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
         found, error = None, str(e) if isinstance(e, LinsConfigError) else f"lins.offload: {type(e).__name__}: {e}"
     error = comm.agree(error)

@@ -1,195 +1,76 @@
-"""The host side of offload (docs/design.md §13): the offloaded units' master weights and moments in pinned host
-memory, the host optimizer, and ``HostUpdater``, which runs their updates after ``step()`` returns.
+"""The host side of offload (docs/design.md §13), one component per plan: ``HostOffload``, owned by ``LinsRuntime``.
+It holds the host P pool (``HostParams``), the host G accumulators and their thread (``HostGrads``), and the worker
+that updates the offloaded units' masters (``HostUpdater``), and it is driven through one protocol, asserted
+(``HostPhase``, ``HOST_TRANSITIONS``):
 
-One step, for the units whose OS is on the host (the plan's last ``offload_units``):
-
-    step()       the global norm is taken on the GPU (every unit's gradient is still there); each host slice's
-                 gradient and the clip coefficient go down on a copy stream (``download``); the GPU units update
-                 as usual; the worker thread starts.
-    worker       unit by unit in forward order: wait for the unit's gradient, scale it, step the host optimizer,
-                 cast the master to the parameter dtype in a pinned buffer, copy it up on the copy stream.
-    next use     the unit's forward (or anything that reads its parameters) waits for its own update only
-                 (``Unit`` state UPDATING): the first units' forward runs while the last ones are updated.
+    backward     each unit whose G lives on the host pushes its reduced chunk down (``HostGrads.push``): IDLE or
+                 UPDATING (the last step's update of that unit is waited for first)
+    step()       drain_grads      every push added: the host accumulators are final           IDLE -> DRAINED
+                 start_updates    the clip coefficient and the device-held gradients go down  DRAINED -> DOWNLOADED
+                 (the device units update as usual)
+                 begin            each host unit UPDATING with its ticket; the worker starts  DOWNLOADED -> UPDATING
+    worker       unit by unit in forward order: wait for the unit's gradient, scale it, step the host optimizer, cast
+                 the master to the parameter dtype, copy it up on the copy stream; mark the unit's ticket
+    next use     the unit's forward (or anything that reads its parameters) waits for its own ticket only
+    boundary     settle           the worker joined, its error agreed: every rank raises the failing rank's message
+                 (the next step, a save, a re-layout, a load)                                  any -> IDLE
 
 On a CPU device the "host" is a separate tensor pool on the same memory and the copies are synchronous: the same
 code paths run, which is what the CPU tests check.
 """
-
 from __future__ import annotations
 
-import collections
-import copy
+import enum
 import queue
 import sys
 import threading
 from contextlib import nullcontext
 import time
-import weakref
 from typing import Optional
 
 import torch
 
 from ... import comm
-from ...plan.offload import HostSpec
-from ..errors import LinsConfigError
+from ..errors import HostProtocolError
+from .host_memory import HOST_PIECE, host_empty, square_sum
+from .host_optimizer import HostOptimizer, update_piece
 
-HOST_PIECE = 1 << 25  # elements per host master tensor (128 MiB in fp32): few enough calls that the worker rarely
-# waits for the GIL, small enough that the first update starts soon and memory-bound temporaries stay small
+__all__ = ["HOST_PIECE", "HOST_TRANSITIONS", "HostGrads", "HostOffload", "HostParams", "HostPhase", "HostProtocol",
+           "HostProtocolError", "HostTicket", "HostUpdater", "host_empty"]
+
 SWITCH_INTERVAL_S = 5e-4  # while the worker runs: the training thread hands over the GIL within 0.5 ms, not 5
-REGISTER_MIN_BYTES = 1 << 20  # host_empty: smaller pinned buffers come from torch's caching allocator
-PREFER_DEEPSPEED = 1.25  # "auto" takes DeepSpeedCPUAdam only this much faster than torch's: it holds the GIL
 
 
-def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host memory for a copy to or from ``device``: page-locked where the device is a GPU.
-
-    From ``REGISTER_MIN_BYTES`` on, the tensor is allocated pageable and registered with CUDA
-    (``cudaHostRegister``, as torch.distributed.checkpoint's stager does) rather than taken from torch's pinned
-    caching allocator, which rounds every block up to a power of two: a 113 M-parameter layer's bf16 gradient
-    (226 MB) would hold 256 MiB, 4 GiB more host memory over a 2.9 B model's offloaded state. Unlike that
-    allocator's blocks, nothing keeps registered memory alive for a copy in flight: when the storage dies (a
-    re-layout drops its owner) the device is synchronized before it is unregistered and freed."""
-    if device.type != "cuda":
-        return torch.empty(n, dtype=dtype)
-    if n * dtype.itemsize < REGISTER_MIN_BYTES:
-        return torch.empty(n, dtype=dtype, pin_memory=True)
-    t = torch.empty(n, dtype=dtype)
-    storage = t.untyped_storage()
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 1)  # 1: portable
-    if int(err):
-        raise RuntimeError(f"lins.offload: page-locking {storage.nbytes() / 2**30:.2f} GiB of host memory failed "
-                           f"({cudart.cudaGetErrorString(err)}); lower lins.host_memory_gb or raise the "
-                           "locked-memory limit (ulimit -l)")
-    finalizer = weakref.finalize(storage, _unregister, storage.data_ptr(), device)
-    finalizer.atexit = False  # not after CUDA is gone
-    return t
+class HostPhase(enum.Enum):
+    IDLE = "idle"  # no host update in flight; gradients may be arriving
+    DRAINED = "drained"  # every pushed gradient added: the host accumulators are final until the update reads them
+    DOWNLOADED = "downloaded"  # the clip coefficient and the device-held gradients are on their way down
+    UPDATING = "updating"  # the worker runs (or ran) this step's updates; the next window's gradients may arrive
 
 
-def _unregister(ptr: int, device: torch.device) -> None:
-    """A registered buffer's storage died: no copy may still read or write it, then it is unregistered."""
-    torch.cuda.synchronize(device)
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+_I, _D, _L, _U = HostPhase.IDLE, HostPhase.DRAINED, HostPhase.DOWNLOADED, HostPhase.UPDATING
+# transition -> {phase it may start from: phase it leaves}; anything else is a HostProtocolError
+HOST_TRANSITIONS = {
+    "push": {_I: _I, _U: _U},  # a gradient down (the backward); never between drain and the update's start
+    "drain_grads": {_I: _D, _D: _D},
+    "start_updates": {_D: _L},  # the update never starts before the gradients are final
+    "begin": {_L: _U},
+    "settle": {_I: _I, _D: _I, _L: _I, _U: _I},  # a step skipped (fp16 overflow) or broken off settles too
+}
 
 
-def adam_mode(basic) -> Optional[bool]:
-    """True: AdamW (decoupled weight decay); False: Adam (L2); None: not an Adam."""
-    import torch.optim as O
+class HostProtocol:
+    """The phase of one ``HostOffload``; each transition checks the phase it starts from (``HOST_TRANSITIONS``)."""
 
-    if isinstance(basic, O.AdamW):
-        return True
-    if isinstance(basic, O.Adam):
-        return bool(basic.defaults.get("decoupled_weight_decay", False))
-    mode = getattr(basic, "adam_w_mode", None)  # DeepSpeed's FusedAdam and DeepSpeedCPUAdam
-    return bool(mode) if mode is not None else None
+    def __init__(self):
+        self.phase = HostPhase.IDLE
 
-
-def _deepspeed_cpu_adam():
-    """DeepSpeedCPUAdam's class when its op builds on this machine, else None."""
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-
-        CPUAdamBuilder().load(verbose=False)
-        return DeepSpeedCPUAdam
-    except Exception:  # noqa: BLE001 - no compiler, no ninja, an unsupported CPU: torch's optimizer is used
-        return None
-
-
-def _unsupported(basic, kind: str) -> str:
-    """What the host optimizer ``kind`` would silently change in ``basic``'s update ('' when nothing)."""
-    for g in basic.param_groups:
-        if g.get("bias_correction", True) is False:
-            return "bias_correction=False (torch's and DeepSpeed's CPU Adam always correct)"
-        if kind == "deepspeed" and (g.get("amsgrad") or g.get("maximize")):
-            return "amsgrad or maximize, which DeepSpeedCPUAdam ignores"
-    return ""
-
-
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov", "alpha",
-          "maximize", "lr_decay", "initial_accumulator_value", "rho", "centered", "decoupled_weight_decay")
-
-
-class HostOptimizer:
-    """The offloaded slices' optimizer: the engine optimizer's hyperparameters (taken from its param groups as each
-    step's host updates start, so LR schedulers act on both), its own CPU implementation, the engine optimizer's
-    state dict (so checkpoints see one optimizer)."""
-
-    def __init__(self, basic, masters_by_group: list, kind: str, device: torch.device):
-        self.basic, self.kind = basic, kind
-        why = _unsupported(basic, kind)
-        if why:
-            raise LinsConfigError(f"lins.host_optimizer: {kind!r} cannot update {type(basic).__name__} on the host: {why}")
-        groups = [{"params": ps, **{k: v for k, v in g.items() if k != "params"}}
-                  for g, ps in zip(basic.param_groups, masters_by_group)]
-        mode = adam_mode(basic)
-        ds_cls = _deepspeed_cpu_adam() if kind == "deepspeed" and mode is not None else None
-        if kind == "deepspeed" and ds_cls is None:
-            raise LinsConfigError("lins.host_optimizer: \"deepspeed\" needs an Adam optimizer and DeepSpeedCPUAdam's "
-                                  "op built on this machine (deepspeed.ops.op_builder.CPUAdamBuilder); use \"torch\"")
-        if ds_cls is not None:
-            self.opt = ds_cls([{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
-                               for g in groups], adamw_mode=mode)
-            self.name = f"DeepSpeedCPUAdam ({'AdamW' if mode else 'Adam'})"
-        elif mode is not None:
-            cls = torch.optim.AdamW if mode else torch.optim.Adam
-            self.opt = cls([{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay",
-                                                                   "amsgrad")} for g in groups], fused=True)
-            self.name = f"torch {cls.__name__} (fused, CPU)"
-        else:  # another element-wise torch optimizer: its own class, stepped on CPU tensors
-            self.opt = copy.copy(basic)
-            self.opt.param_groups = groups
-            self.name = f"{type(basic).__name__} (CPU)"
-        self.opt.state = basic.state  # one state dict: checkpoints and load_checkpoint see every slice
-        self._int_step = ds_cls is not None
-
-    def hyperparameters(self) -> list:
-        """The engine optimizer's hyperparameters now, per group: taken on the training thread when the step's host
-        updates start (the LR scheduler steps right after ``step()`` returns, while they still run)."""
-        return [{k: theirs[k] for k in _HYPER if k in theirs and k in mine}
-                for mine, theirs in zip(self.opt.param_groups, self.basic.param_groups)]
-
-    def step(self, masters: list, hyper: list) -> None:
-        """One update of ``masters`` (their ``.grad`` set) with ``hyper`` (``hyperparameters()``)."""
-        for mine, values in zip(self.opt.param_groups, hyper):
-            mine.update(values)
-        for p in masters:  # a checkpoint may have been written by the other kind of optimizer
-            st = self.opt.state.get(p)
-            if st and "step" in st:
-                if self._int_step and torch.is_tensor(st["step"]):
-                    st["step"] = int(st["step"].item())
-                elif not self._int_step and (not torch.is_tensor(st["step"]) or st["step"].dtype != torch.float32):
-                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
-        if isinstance(self.opt, torch.optim.Optimizer) and type(self.opt) is type(self.basic):
-            type(self.basic).step(self.opt)  # the class's step: a scheduler may have wrapped the instance's own
-        else:
-            self.opt.step()
-
-
-def update_piece(opt: HostOptimizer, master: torch.Tensor, grad: torch.Tensor, up: Optional[torch.Tensor],
-                 scratch: torch.Tensor, coef: float, hyper: list) -> None:
-    """One host piece's update: its gradient (as it came down) to fp32 in ``scratch``, scaled by ``coef`` (the
-    loss-scale, averaging and clipping factor), the optimizer step, the master cast into ``up`` for the upload."""
-    g = scratch[:grad.numel()]
-    g.copy_(grad)
-    g.mul_(coef)
-    master.grad = g.view_as(master)
-    opt.step([master], hyper)
-    master.grad = None
-    if up is not None:
-        up.copy_(master.data)
-
-
-def square_sum(acc: torch.Tensor, scratch: torch.Tensor) -> float:
-    """The squared L2 norm of ``acc``, summed in fp32 piece by piece through ``scratch`` (no fp32 copy of the whole
-    chunk)."""
-    total = 0.0
-    for a in range(0, acc.numel(), HOST_PIECE):
-        piece = acc[a:a + HOST_PIECE]
-        if piece.dtype != torch.float32:
-            piece = scratch[:piece.numel()].copy_(piece)
-        total += float(torch.dot(piece, piece))
-    return total
+    def advance(self, transition: str) -> None:
+        allowed = HOST_TRANSITIONS[transition]
+        if self.phase not in allowed:
+            raise HostProtocolError(f"lins: host offload: {transition} in phase {self.phase.value}, expected "
+                                    f"{' or '.join(p.value for p in allowed)}")
+        self.phase = allowed[self.phase]
 
 
 class HostGrads:
@@ -203,8 +84,10 @@ class HostGrads:
     gradient norm without another pass over host memory. Only layouts without a replica AllReduce place G here
     (``lins_ds.plan.offload.grads_may_leave``): the chunk that comes down is final for this micro-batch."""
 
-    def __init__(self, units: list, accum_dtype: torch.dtype, device: torch.device):
+    def __init__(self, units: list, accum_dtype: torch.dtype, device: torch.device,
+                 protocol: Optional[HostProtocol] = None):
         self.device, self.accum_dtype = device, accum_dtype
+        self.protocol = protocol or HostProtocol()  # its HostOffload's: a push is one of its transitions
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.acc = {u: host_empty(u.g_numel, accum_dtype, device).zero_() for u in units}
         self._down: dict = {}  # unit -> the buffer a micro-batch's gradient lands in before the thread adds it
@@ -231,6 +114,7 @@ class HostGrads:
     def push(self, unit, src: torch.Tensor) -> None:
         """``src``, this micro-batch's reduced gradient of ``unit`` (its G chunk, on the device), towards the unit's
         host accumulator. ``src`` may be freed by the caller at once (its memory is kept for the copy)."""
+        self.protocol.advance("push")
         first = self._count[unit] == 0
         if first:  # the last step's host update of this unit reads the accumulator: done with it first
             unit.wait_host_update()
@@ -583,81 +467,127 @@ class HostUpdater:
 
     def error(self) -> str:
         """Why the last host update failed on this rank ('' if it did not): its units kept their old values, and the
-        caller makes every rank raise it (``LinsOptimizer.check_host``)."""
+        caller makes every rank raise it (``HostOffload.settle``)."""
         if self._error is None:
             return ""
         return f"lins: the host optimizer's update failed on rank {comm.rank()}: {type(self._error).__name__}: " \
                f"{self._error}"
 
 
-def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: int = 1 << 24,
-            grad_dtypes: tuple = (torch.bfloat16, torch.bfloat16)) -> tuple:
-    """(HostSpec, host optimizer kind): this host's offload speeds, timed here: the host optimizer's update of ``elems`` fp32 elements (a unit's
-    piece) and pinned copies of a bf16 tensor of that size each way. ``kind`` "auto" tries torch's fused Adam and
-    DeepSpeedCPUAdam, and keeps DeepSpeedCPUAdam only if ``PREFER_DEEPSPEED`` times faster: its update holds the
-    GIL, which stalls the training thread's kernel launches while the forward overlaps it."""
-    kinds = ["torch", "deepspeed"] if kind == "auto" and adam_mode(basic) is not None else [kind if kind != "auto" else "torch"]
-    best = None
-    for k in kinds:
-        try:
-            rate, name = _time_update(basic, k, device, elems)
-        except Exception as e:  # noqa: BLE001 - an optimizer that cannot step on the CPU (a CUDA-only kernel)
-            if kind != "auto":
-                raise LinsConfigError(f"lins.host_optimizer: {k!r} cannot update {type(basic).__name__} on this "
-                                      f"host ({type(e).__name__}: {e})") from None
-            continue
-        if best is None or rate > best[0] * (PREFER_DEEPSPEED if k == "deepspeed" else 1.0):
-            best = (rate, name, k)
-    if best is None:
-        raise LinsConfigError(f"lins.offload: no host optimizer can update {type(basic).__name__} on this host "
-                              "(torch's CPU Adam needs an Adam; another optimizer must step on CPU tensors)")
-    h2d, d2h = _time_copies(device, elems)
-    return HostSpec(capacity_gb, best[0], h2d, d2h, best[1], f"measured on {device.type}",
-                    *_time_accumulate(device, elems, *grad_dtypes)), best[2]
+class HostOffload:
+    """The host side of one plan (docs/design.md §13): the P pool, the G accumulators and their thread, the masters'
+    update worker, driven through ``HostProtocol`` (the module docstring). ``LinsRuntime`` owns it and places units
+    into it; a unit holds its part (a ``HostTicket`` while UPDATING, the pool its P chunk lives in, the accumulators its
+    G goes to), never this object."""
 
+    def __init__(self, device: torch.device, accum_dtype: torch.dtype):
+        self.device, self.accum_dtype = device, accum_dtype
+        self.protocol = HostProtocol()
+        self.params: Optional[HostParams] = None  # made when a unit first keeps its P chunk on the host
+        self.grads: Optional[HostGrads] = None
+        self.updater: Optional[HostUpdater] = None
+        self.optimizer_name = ""
+        self._downloads: Optional[list] = None  # start_updates' events, for begin
 
-def _time_update(basic, kind: str, device: torch.device, elems: int) -> tuple:
-    p = torch.nn.Parameter(torch.zeros(elems, dtype=torch.float32))
-    probe = copy.copy(basic)
-    probe.param_groups = [{**{k: v for k, v in basic.param_groups[0].items() if k != "params"}, "params": []}]
-    probe.state = collections.defaultdict(dict)
-    opt = HostOptimizer(probe, [[p]], kind, device)
-    grad, up = host_empty(elems, torch.bfloat16, device).fill_(1e-3), host_empty(elems, torch.bfloat16, device)
-    scratch, hyper = torch.empty(elems, dtype=torch.float32), opt.hyperparameters()
-    return _per_second(lambda: update_piece(opt, p, grad, up, scratch, 1.0, hyper), elems), opt.name
+    # --- placement (the runtime, per plan) ----------------------------------------------------------------------
+    def params_pool(self, device: torch.device) -> HostParams:
+        """The pool (and upload stream) of the P chunks kept on the host of ``device``."""
+        if self.params is None:
+            self.params = HostParams(device)
+        return self.params
 
+    def place_grads(self, units: list) -> Optional[HostGrads]:
+        """The G accumulators of ``units`` on the host (none: no thread); the same units keep theirs."""
+        if self.grads is not None and self.grads.units() == units:
+            return self.grads
+        if self.grads is not None:
+            self.grads.close()
+            self.grads = None
+        if units:
+            self.grads = HostGrads(units, self.accum_dtype, self.device, self.protocol)
+        return self.grads
 
-def _per_second(work, elems: int, reps: int = 3) -> float:
-    """Elements per second of ``work`` over ``elems`` elements: one untimed call (state allocation, page faults),
-    then ``reps`` timed."""
-    work()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        work()
-    return reps * elems / (time.perf_counter() - t0)
+    def place_updater(self, basic, kind: str, slices_by_unit: list) -> None:
+        """The worker over ``slices_by_unit`` ([(unit, its host master slices)]; none: no worker), its optimizer the
+        engine's ``basic`` one's hyperparameters with a CPU implementation of ``kind`` ("torch" or "deepspeed")."""
+        self.updater, self.optimizer_name = None, ""  # its pinned copies go with the slices that moved
+        if not slices_by_unit:
+            return
+        masters = [s for _, slices in slices_by_unit for s in slices]
+        by_group = [[s.param for s in masters if s.range.group == gi] for gi in range(len(basic.param_groups))]
+        opt = HostOptimizer(basic, by_group, kind, self.device)
+        self.updater, self.optimizer_name = HostUpdater(opt, slices_by_unit, self.device), opt.name
 
+    # --- the protocol (one step) ----------------------------------------------------------------------------------
+    def drain_grads(self) -> None:
+        """Every gradient pushed so far added into its host accumulator: final until the update reads it."""
+        self.protocol.advance("drain_grads")
+        if self.grads is not None:
+            self.grads.drain()
 
-def _time_accumulate(device: torch.device, elems: int, accum: torch.dtype, reduce: torch.dtype) -> tuple:
-    """Elements per second of ``HostGrads``' work for a unit whose gradients live on the host: the sum of a
-    micro-batch's gradient (``reduce`` dtype, pinned) into its G accumulator (``accum``), and the norm pass."""
-    down = host_empty(elems, reduce, device).fill_(1e-3)
-    acc = host_empty(elems, accum, device).zero_()
-    scratch = torch.empty(min(elems, HOST_PIECE), dtype=torch.float32)
-    return _per_second(lambda: acc.add_(down), elems), _per_second(lambda: square_sum(acc, scratch), elems)
+    def start_updates(self, coef: torch.Tensor) -> None:
+        """The clip coefficient, and the host units' gradients still on the device, down on the copy stream."""
+        self.protocol.advance("start_updates")
+        self._downloads = self.updater.download(coef) if self.updater is not None else None
 
+    def begin(self) -> None:
+        """Each host unit UPDATING, holding its ticket (at rest: the caller released what was gathered); the worker
+        starts. Each unit's next use finishes its own update (``Unit.finish_host_update``)."""
+        self.protocol.advance("begin")
+        if self.updater is not None:
+            self.updater.start(self._downloads)
+        self._downloads = None
 
-def _time_copies(device: torch.device, elems: int) -> tuple:
-    if device.type != "cuda":
-        return 25.0, 25.0  # no copy on a CPU device: a nominal figure (offload never helps there)
-    host = host_empty(elems, torch.bfloat16, device)
-    dev = torch.empty(elems, dtype=torch.bfloat16, device=device)
-    out = []
-    for dst, src in ((dev, host), (host, dev)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        out.append(3 * elems * 2 / (time.perf_counter() - t0) / 1e9)
-    return tuple(out)
+    def settle(self) -> None:
+        """The worker joined, and its failure on any rank raised on every rank with the failing rank's message. Every
+        rank calls it at the same point: a step boundary, a save, a re-layout. (A failure of the gradient sums is
+        raised on every rank by the step's norm, ``grad_error``: it stops the step before any update, so a save of the
+        last good state still goes through.)"""
+        self.join()
+        self.protocol.advance("settle")
+        error = comm.agree((self.updater.error() if self.updater is not None else "") or None)
+        if error is not None:
+            raise RuntimeError(error)
+
+    def join(self) -> None:
+        """The worker done (this rank alone: what a read of the host masters needs)."""
+        if self.updater is not None:
+            self.updater.join()
+
+    def forget(self) -> None:
+        """A checkpoint load replaces what a failed update left: training may go on."""
+        if self.updater is not None:
+            self.updater.clear_error()
+
+    # --- the step's gradient norm ----------------------------------------------------------------------------------
+    def grad_square_sum(self) -> float:
+        return self.grads.square_sum() if self.grads is not None else 0.0
+
+    def grad_error(self) -> str:
+        return self.grads.error() if self.grads is not None else ""
+
+    # --- what it holds ---------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        return ((self.updater.nbytes() if self.updater is not None else 0)
+                + (self.grads.nbytes() if self.grads is not None else 0))
+
+    def stats(self) -> dict:
+        """What the benchmarks report: the training thread's total wait on the host (updates and gradient sums), and
+        the worker's last update (wall seconds, and by what it waited on)."""
+        up, grads = self.updater, self.grads
+        return {"waited_s": (up.waited_s if up is not None else 0.0) + (grads.waited_s if grads is not None else 0.0),
+                "updates_waited_s": up.waited_s if up is not None else 0.0,
+                "grads_waited_s": grads.waited_s if grads is not None else 0.0,
+                "worker_s": up.last_update_s if up is not None else 0.0,
+                "worker_spent_s": dict(up.last_spent_s) if up is not None else {},
+                "host_optimizer": self.optimizer_name,
+                "instance": f"{id(up)}:{id(grads)}"}  # new counters (from zero) where this changes
+
+    def close(self, wait: bool = True) -> None:
+        """The threads end (idempotent); the buffers go with this object. ``wait`` False (``destroy``, also at exit):
+        the update worker, a daemon thread, is not waited for (it may be blocked behind a peer that died)."""
+        if wait:
+            self.join()
+        if self.grads is not None:
+            self.grads.close()
+        self.grads, self.updater = None, None

@@ -337,7 +337,7 @@ class Unit:
         the P-sync, where there is one, is the caller's)."""
         self._expect(self.param_state, (ParamState.UPDATING,), "finish_host_update")
         self._ticket.wait()  # a failed update does not raise here, on one rank: every rank raises it at the next
-        # step boundary (LinsOptimizer.check_host), before the stale P chunk is updated again or saved
+        # step boundary (LinsRuntime.check_host), before the stale P chunk is updated again or saved
         self._ticket, self.param_state = None, self._at_rest
 
     def wait_param_sync(self) -> None:
@@ -349,6 +349,35 @@ class Unit:
         if self.param_state is ParamState.SYNCING:
             self._sync_work.wait()
             self._sync_work, self.param_state = None, self._at_rest
+
+    def gather_whole(self, chunk: torch.Tensor, p_buf: torch.Tensor, whole_buf: torch.Tensor) -> torch.Tensor:
+        """The unit's whole padded buffer of one fp32 state from this rank's OS chunk of it (``chunk``): over the P-sync
+        group, then the P group, the parameters' own path (a re-layout's staging, ``step/staging.py``). Every rank of
+        those groups calls it, unit by unit in one order; ``p_buf`` and ``whole_buf`` are the caller's scratch."""
+        p_chunk = p_buf[:self.spec.p_size]
+        comm.all_gather(self.groups, "p_sync", p_chunk, chunk, tag=f"relayout {self.name}")
+        if not self.sharded_p:
+            return p_chunk
+        whole = whole_buf[:self.spec.padded]
+        comm.all_gather(self.groups, "p", whole, p_chunk, tag=f"relayout {self.name}")
+        return whole
+
+    @torch.no_grad()
+    def write_param(self, slot, flat: torch.Tensor) -> None:
+        """The part of ``slot``'s values this rank holds in P (its P chunk, or the whole unit), from ``flat`` (the
+        whole parameter): ``safe_set_full_fp32_param``, ``GatheredParameters`` with a ``modifier_rank``."""
+        if self.releases:
+            self.p_shard_write(slot, flat.to(self.dtype))
+        else:
+            self.full[slot.offset:slot.offset + slot.numel].copy_(flat)
+
+    @torch.no_grad()
+    def write_grad(self, slot, flat: torch.Tensor) -> None:
+        """The part of ``slot``'s gradient this rank's G accumulator holds, from ``flat`` (the whole parameter's, in
+        the accumulator's scale): ``safe_set_full_grad``."""
+        for s_, (a, b), (s, e) in self.slices_by_parameter(self.g_base, self.g_base + self.g_numel):
+            if s_ is slot:
+                self.g_acc[s:e].copy_(flat[a:b])
 
     def p_shard_write(self, slot, flat: torch.Tensor) -> None:
         """Copy the part of ``slot``'s flat values that lies in this rank's P chunk into it."""

@@ -4,8 +4,8 @@
 Training starts on the solver's best plan. Once a candidate's step time is known — at least ``lins.tune.steps``
 optimizer steps (the first ``lins.tune.warmup_steps`` not timed), and more until the median's 95 % interval is within
 +-``lins.tune.precision`` of it, ``lins.tune.max_steps`` at most — the engine re-lays itself in memory onto the next
-candidate (``lins_ds.runtime.switch.relayout``) and goes on training; once each has been timed it moves to the fastest
-measured candidate whose measured peak stayed within the budget — away from the solver's best only when the gain is
+candidate (its ``relayout``: ``LinsRuntime.apply``) and goes on training; once each has been timed it moves to the
+fastest measured candidate whose measured peak stayed within the budget — away from the solver's best only when the gain is
 more than the noise (``lins_ds.plan.tune.fastest``) — prints the table, and caches the decision, so the next
 launch of the same job starts on the winner with no trials. Every trial step is a real training step: the
 trajectory is the one an untuned run on any of the plans follows (they are the same numbers, docs/design.md §3).
