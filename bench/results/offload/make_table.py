@@ -9,15 +9,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = [  # (label, budget GiB or None, file)
-    ("DeepSpeed ZeRO-2 + offload_optimizer", None, "call1/3b_zero2_offload.json"),
-    ("DeepSpeed ZeRO-3 + offload_param + offload_optimizer", None, "call1/3b_zero3_offload.json"),
+    ("DeepSpeed ZeRO-2 + offload_optimizer", None, "deepspeed_offload/3b_zero2_offload.json"),
+    ("DeepSpeed ZeRO-3 + offload_param + offload_optimizer", None, "deepspeed_offload/3b_zero3_offload.json"),
     ("DeepSpeed ZeRO-3 + offload_optimizer ratio 0.6", None, "final/3b_zero3_ratio.json"),
     ("Lins, DeepSpeed's footprint", 19.28, "final/3b_lins_footprint.json"),
     ("Lins", 30, "final/3b_lins_30.json"),
     ("Lins", 40, "final/3b_lins_40.json"),
     ("Lins, LLaMA-7B (seq 2048, mb 1, gas 1)", 80, "final/7b_lins_80.json"),
 ]
-BASE = "call1/3b_zero2_offload.json"
+BASE = "deepspeed_offload/3b_zero2_offload.json"
 
 
 def load(f):

@@ -11,8 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = [("40 GiB (offload and checkpointing)", "final/tune40.json"),
         ("60 GiB (checkpointing)", "final/tune60.json"),
-        ("40 GiB, first call (every switch staged)", "first_call/tune40.json")]
-AGAIN = [("40 GiB", "first_call/again40.json"), ("60 GiB", "final/again60.json")]
+        ("40 GiB, first call (every switch staged)", "every_move_staged/tune40.json")]
+AGAIN = [("40 GiB", "every_move_staged/again40.json"), ("60 GiB", "final/again60.json")]
 
 
 def load(rel):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Round 3 on 2 x H200 (device tool, nvidia-h200-x2) with ~3 minutes of device time left: gradients
+# Two emulated nodes and one memory-bound host on 2 x H200 (device tool, nvidia-h200-x2; first run as round 3, when gradients
 # now accumulate in place (views into the accumulator) in DeepSpeed's default dtype. Most informative
 # first, each line printed as it finishes:
 #  2 emulated nodes (tuned sockets): Lins with ZeRO-2's layout (G and OS sharded across the nodes,
