@@ -148,7 +148,7 @@ class LinsRuntime:
             unit.place_params(self.host.params_pool(self.device) if unit in params else None)
         host_grads = self.host.place_grads(grads)
         for unit in self.units:
-            unit.place_grads(host_grads if unit in grads else None)
+            unit.place_grads(host_grads.slot(unit) if unit in grads else None)
 
     # --- the optimizer's state: this rank's master slices (docs/design.md §3 step 4) ----------------------------
     def attach_optimizer(self, basic, host_kind: str = "torch") -> None:

@@ -85,9 +85,12 @@ class HostGrads:
     (``lins_ds.plan.offload.grads_may_leave``): the chunk that comes down is final for this micro-batch."""
 
     def __init__(self, units: list, accum_dtype: torch.dtype, device: torch.device,
-                 protocol: Optional[HostProtocol] = None):
+                 protocol: Optional[HostProtocol] = None, wait_update=None):
+        """``wait_update(unit)``: block until the last host update of ``unit`` is done with its accumulator (its
+        ``HostOffload`` asks the update's ticket; None: nothing to wait for)."""
         self.device, self.accum_dtype = device, accum_dtype
         self.protocol = protocol or HostProtocol()  # its HostOffload's: a push is one of its transitions
+        self._wait_update = wait_update or (lambda unit: None)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.acc = {u: host_empty(u.g_numel, accum_dtype, device).zero_() for u in units}
         self._down: dict = {}  # unit -> the buffer a micro-batch's gradient lands in before the thread adds it
@@ -108,6 +111,10 @@ class HostGrads:
     def units(self) -> list:
         return list(self.acc)
 
+    def slot(self, unit) -> "HostGradSlot":
+        """What ``unit`` holds of these accumulators (not this object): its own, and the way its gradient goes down."""
+        return HostGradSlot(self, unit)
+
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.acc.values()) + sum(t.nbytes for t in self._down.values())
 
@@ -117,7 +124,7 @@ class HostGrads:
         self.protocol.advance("push")
         first = self._count[unit] == 0
         if first:  # the last step's host update of this unit reads the accumulator: done with it first
-            unit.wait_host_update()
+            self._wait_update(unit)
         direct = first and src.dtype == self.accum_dtype
         if direct:
             dst = self.acc[unit]
@@ -185,7 +192,7 @@ class HostGrads:
         total = 0.0
         for unit, acc in self.acc.items():
             if self._count[unit] == 0:
-                unit.wait_host_update()
+                self._wait_update(unit)
                 acc.zero_()
                 self._sq[unit] = 0.0
             elif unit not in self._sq:  # the window ended without a backward that said so (no_sync, then step)
@@ -226,6 +233,18 @@ class HostGrads:
         if self._thread.is_alive():
             self._queue.put(None)
             self._queue.join()
+
+
+class HostGradSlot:
+    """One unit's part of ``HostGrads``, what the unit holds while its G lives on the host: its accumulator, and
+    ``push`` for each micro-batch's reduced chunk."""
+
+    def __init__(self, grads: HostGrads, unit):
+        self._grads, self._unit = grads, unit
+        self.acc = grads.acc[unit]
+
+    def push(self, src: torch.Tensor) -> None:
+        self._grads.push(self._unit, src)
 
 
 class HostParams:
@@ -277,11 +296,11 @@ class HostSlice:
     """One offloaded piece of an ``OSRange``: its pinned gradient (down at the step; where the unit's G lives on the
     host, a view into its accumulator), its parameter-dtype copy (up)."""
 
-    def __init__(self, master, device: torch.device):
+    def __init__(self, master, device: torch.device, grads_on_host: bool):
         self.master = master  # a MasterSlice whose param lives on the host
         n, dtype = master.param.numel(), master.range.unit.dtype
         unit = master.range.unit
-        self.on_host = unit.host_grads is not None
+        self.on_host = grads_on_host
         self.grad = master.range.grads() if self.on_host else host_empty(n, unit.accum_dtype, device)
         # the parameter-dtype copy that goes up: none for fp32 parameters (the master goes up) or for a unit whose P
         # is on the host (the master is cast straight into it)
@@ -327,9 +346,14 @@ class HostUpdater:
     """Runs the offloaded units' updates on a worker thread, in forward order; each unit's next use waits for its
     own (``Unit.begin_host_update`` with the unit's ``HostTicket``)."""
 
-    def __init__(self, host_optimizer: HostOptimizer, slices_by_unit: list, device: torch.device):
-        self.opt, self.device = host_optimizer, device
-        self.by_unit = [(unit, [HostSlice(m, device) for m in masters]) for unit, masters in slices_by_unit]
+    def __init__(self, host_optimizer: HostOptimizer, slices_by_unit: list, device: torch.device,
+                 grads: Optional[HostGrads] = None):
+        """``grads``: the host G accumulators, where the plan keeps the units' gradients on the host (read in place)."""
+        self.opt, self.device, self._grads = host_optimizer, device, grads
+        held = set(grads.units()) if grads is not None else set()
+        self.by_unit = [(unit, [HostSlice(m, device, unit in held) for m in masters])
+                        for unit, masters in slices_by_unit]
+        self._ticket_of: dict = {}  # unit -> its ticket of the last step
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.coef = host_empty(1, torch.float32, device)
         # the fp32 gradient of the piece being updated: one buffer, reused (a fresh 128 MiB per piece costs its
@@ -370,8 +394,8 @@ class HostUpdater:
                 coef_ready = torch.cuda.Event()
                 coef_ready.record(cs)
             for unit, slices in self.by_unit:
-                if unit.host_grads is not None:  # its gradient is on the host already: final once drained
-                    if not unit.host_grads.drained():
+                if slices and slices[0].on_host:  # its gradient is on the host already: final once drained
+                    if not self._grads.drained():
                         raise RuntimeError(f"lins: the host update of unit {unit.name} would read its gradient "
                                            "before the host has added every micro-batch's (HostGrads.drain() first)")
                     events.append(coef_ready)
@@ -390,6 +414,7 @@ class HostUpdater:
     def start(self, events: list) -> None:
         """Begin the host updates (after ``download``); each unit enters UPDATING until the worker finishes it."""
         self._tickets = [HostTicket(self, u.name) for u, _ in self.by_unit]
+        self._ticket_of = {u: t for (u, _), t in zip(self.by_unit, self._tickets)}
         self._error = None
         hyper = self.opt.hyperparameters()
         for (unit, _), ticket in zip(self.by_unit, self._tickets):
@@ -453,6 +478,12 @@ class HostUpdater:
                     break
         self.waited_s += time.perf_counter() - t0
 
+    def wait_unit(self, unit) -> None:
+        """Block until the last step's update of ``unit`` (if any) is done (its host accumulator free again)."""
+        ticket = self._ticket_of.get(unit)
+        if ticket is not None:
+            ticket.wait()
+
     def join(self) -> None:
         if self._thread is not None:
             self._thread.join()
@@ -504,8 +535,12 @@ class HostOffload:
             self.grads.close()
             self.grads = None
         if units:
-            self.grads = HostGrads(units, self.accum_dtype, self.device, self.protocol)
+            self.grads = HostGrads(units, self.accum_dtype, self.device, self.protocol, self._wait_update)
         return self.grads
+
+    def _wait_update(self, unit) -> None:
+        if self.updater is not None:
+            self.updater.wait_unit(unit)
 
     def place_updater(self, basic, kind: str, slices_by_unit: list) -> None:
         """The worker over ``slices_by_unit`` ([(unit, its host master slices)]; none: no worker), its optimizer the
@@ -516,7 +551,7 @@ class HostOffload:
         masters = [s for _, slices in slices_by_unit for s in slices]
         by_group = [[s.param for s in masters if s.range.group == gi] for gi in range(len(basic.param_groups))]
         opt = HostOptimizer(basic, by_group, kind, self.device)
-        self.updater, self.optimizer_name = HostUpdater(opt, slices_by_unit, self.device), opt.name
+        self.updater, self.optimizer_name = HostUpdater(opt, slices_by_unit, self.device, self.grads), opt.name
 
     # --- the protocol (one step) ----------------------------------------------------------------------------------
     def drain_grads(self) -> None:

@@ -169,7 +169,7 @@ class Unit:
         # s_g == 1 and gradients accumulate in the parameter dtype: each .grad is a view into the accumulator, so
         # autograd accumulates in place and nothing is copied (DDP's gradient_as_bucket_view)
         self.accum_dtype, self._g_acc, self._grad_views = accum_dtype, None, None
-        self.host_grads = None  # the HostGrads holding this unit's G accumulator, where the plan puts it on the host
+        self.host_grads = None  # this unit's HostGradSlot (its host G accumulator), where the plan puts G on the host
         self.host_params = None  # the HostParams uploading this unit's P chunk (held in p_shard, on the host)
         self.param_state, self.grad_state = ParamState.GATHERED, GradState.ACCUMULATING
         self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
@@ -396,7 +396,7 @@ class Unit:
 
     # --- gradients -------------------------------------------------------------------------
     def place_grads(self, host_grads) -> None:
-        """Where the G accumulator lives from the next window on: on the host, in ``host_grads`` (a HostGrads), or
+        """Where the G accumulator lives from the next window on: on the host, ``host_grads`` (a HostGradSlot), or
         on the device (None). Only between windows, with no gradient held."""
         self._expect(self.grad_state, (GradState.ACCUMULATING,), "place_grads")
         if self._g_acc is not None or self._pending:
@@ -422,7 +422,7 @@ class Unit:
         optimizer step (``reset_grads``), so that a backward's start, where activations peak, holds none. Where the
         plan keeps it on the host, the host's (``HostGrads``), current once the step has begun."""
         if self.host_grads is not None:
-            return self.host_grads.acc[self]
+            return self.host_grads.acc
         if self._g_acc is None:
             self._g_acc = torch.zeros(self.g_numel, dtype=self.accum_dtype, device=self.device)
         return self._g_acc
@@ -530,7 +530,7 @@ class Unit:
     def _accumulate(self, chunk: torch.Tensor) -> None:
         """This backward's reduced G chunk into the accumulator: on the device, or down to the host's."""
         if self.host_grads is not None:
-            self.host_grads.push(self, chunk)
+            self.host_grads.push(chunk)
         else:
             self.g_acc.add_(chunk)
 
