@@ -245,7 +245,7 @@ class LinsRuntime:
             self.masters.place(self.units, self.host_units)
             self._place_updater()
 
-    def _rebuild(self, plan: Plan, staged: list, on_device_change: Optional[Callable]) -> None:
+    def _rebuild(self, plan: Plan, staged: "staging.Staged", on_device_change: Optional[Callable]) -> None:
         """Another layout: the optimizer's state dropped first (the staging holds it), so that the device never
         holds two plans'; this plan's units, groups and hooks torn down; ``plan``'s built and filled."""
         if self.masters is not None:
