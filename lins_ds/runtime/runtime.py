@@ -361,15 +361,15 @@ class LinsRuntime:
     def sync_parameters(self) -> None:
         """Gather each P chunk from the OS chunks of its P-sync group (a checkpoint load, a re-layout: the masters were
         written directly); asynchronously when overlapping, each unit's next use waiting for its own gather."""
+        self._refuse_held()
         self._sync(None)
 
     @torch.no_grad()
     def _sync(self, begin_host: Optional[Callable]) -> None:
-        """After the update: each P chunk from the OS chunks of its P-sync group. ``begin_host`` starts the offloaded
-        units' host updates; where no P-sync follows them and overlap is on, they outlive this call and each unit's
-        next use waits for its own (docs/design.md §13); else they are waited for here, in unit order, each unit's
-        P-sync launched after its update."""
-        self._refuse_held()
+        """After the update (the caller refused held units): each P chunk from the OS chunks of its P-sync group.
+        ``begin_host`` starts the offloaded units' host updates; where no P-sync follows them and overlap is on, they
+        outlive this call and each unit's next use waits for its own (docs/design.md §13); else they are waited for
+        here, in unit order, each unit's P-sync launched after its update."""
         self.release_all()  # gathered copies are stale now
         if begin_host is not None:
             begin_host()

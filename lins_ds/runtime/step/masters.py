@@ -102,9 +102,6 @@ class Masters:
     def of_unit(self, unit) -> list:
         return [s for s in self.slices if s.range.unit is unit]
 
-    def group_of(self, sl: MasterSlice) -> int:
-        return sl.range.group
-
     def state_of(self, sl: MasterSlice) -> dict:
         return self.basic.state.get(sl.param, {})
 
