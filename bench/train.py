@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="a planner built-in (tiny, 1b, 7b, 13b, 30b, 65b) or a "
                    "config.json (LLaMA, or any model type the planner models: built as its own Hugging Face class)")
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--attn", choices=["sdpa", "eager"], help="the attention implementation of a config.json model "
+                   "(default: SDPA, eager for the types transformers runs no other way, e.g. gemma2)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of the timing summary")
     p.add_argument("--gpus-per-node", type=int, help="emulate nodes of this many GPUs on one host")
@@ -131,11 +133,13 @@ def setup_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(name: str, seq_len: int):
+def build_model(name: str, seq_len: int, attn: str = None):
     """A LLaMA built-in or LLaMA ``config.json`` as ``LlamaForCausalLM`` with the planner's shapes (as every run of
     the shape grid was built); any other ``config.json`` as its own Hugging Face class (``model_type``: GPT-2, Qwen,
-    Mistral, ...), SDPA attention."""
+    Mistral, ...), SDPA attention unless ``attn`` says otherwise or the type has only eager attention (gemma2)."""
     import transformers
+
+    from lins_ds.plan.model import EAGER_ONLY
 
     spec = load_model(name)
     cfg = None
@@ -148,8 +152,10 @@ def build_model(name: str, seq_len: int):
         raise SystemExit(f"--seq-len {seq_len}: {name} learns {spec.max_positions} positions (n_positions); "
                          f"give a sequence no longer")
     cfg = {k: v for k, v in cfg.items() if k != "architectures"}
-    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    mtype = cfg.pop("model_type")
+    config = transformers.AutoConfig.for_model(mtype, **cfg)
+    attn = attn or ("eager" if mtype in EAGER_ONLY else "sdpa")
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
 def build_engine(args, ds_config: dict, device: torch.device):
@@ -162,7 +168,7 @@ def build_engine(args, ds_config: dict, device: torch.device):
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with model_init_context(ds_config, device):
-        model = build_model(args.model, args.seq_len)
+        model = build_model(args.model, args.seq_len, args.attn)
     if args.checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 deprecates the older name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -412,7 +418,7 @@ def main(argv=None) -> dict:
     startup = startup_memory(startup_s, device.type == "cuda")
     losses, (times, ends), phases, breakdown = train(args, engine, model, device)
     summary = summarize(args, engine, losses, times, phases, startup, device.type == "cuda")
-    summary.update(host_s_per_module=host_s, gpu_cap_gb=args.gpu_cap_gb, breakdown_s=breakdown, step_end_unix=ends,
+    summary.update(host_s_per_module=host_s, gpu_cap_gb=args.gpu_cap_gb, lins_memory_gb=args.lins_memory_gb, breakdown_s=breakdown, step_end_unix=ends,
                    host_memory=host_memory.stop())  # the machine's: every rank of this node in it
     if dist.get_rank() == 0 and summary["host_memory"]:
         print("host memory used: {before_gb:.2f} GiB before the engine, peak {peak_gb:.2f}, rise {rise_gb:.2f}"

@@ -111,9 +111,11 @@ def test_guard_names_the_excess_and_a_plan_that_fits():
     assert "A plan that would fit" in msg and '"plan": {"p": [' in msg
     fits = ctx.solve(40 - (38.0 * 1.05 + 2.0 - plan.memory_gb)).plan
     assert str(fits.layout) in msg
-    # a budget below the card holds the allocator to it: what the allocator held is judged too
+    # a budget below the card holds the allocator to it: what the allocator held is judged, not the margin
     over, msg = verdict(plan, plan.predicted_peak_gb, 39.0, 40, 2.0, ctx.solve, capped=True)  # 39 + 2 = 41
     assert over and "1.00 GiB more than lins.gpu_memory_gb = 40" in msg and "39.00 held by the allocator" in msg
+    ok, msg = verdict(plan, 37.2, 37.5, 40, 2.0, ctx.solve, capped=True)  # 37.2 x 1.05 + 2 > 40, but 37.5 + 2 fits
+    assert not ok and "39.50 of 40 GiB (lins.gpu_memory_gb) held by the allocator" in msg
 
 
 # --- the runtime: k of N units checkpointed, exactly the same training ----------------------------------
@@ -223,6 +225,9 @@ def test_a_budget_below_the_card_caps_the_allocator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 140 * 2**30}))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: got.append(f))
     cuda = torch.device("cuda", 0)
-    assert memory_guard.cap_allocator(80.0, cuda) == pytest.approx(80 / 140) and got == [pytest.approx(80 / 140)]
+    # the budget less the reserve (2 GiB on GPUs by default, lins.reserved_gb where given): outside the allocator
+    assert memory_guard.cap_allocator(80.0, cuda) == pytest.approx(78 / 140) and got == [pytest.approx(78 / 140)]
+    assert memory_guard.cap_allocator(80.0, cuda, reserved=5.0) == pytest.approx(75 / 140)
+    got.pop()
     assert memory_guard.cap_allocator(None, cuda) is None and memory_guard.cap_allocator(140.0, cuda) is None
     assert memory_guard.cap_allocator(80.0, torch.device("cpu")) is None and len(got) == 1

@@ -61,6 +61,7 @@ def validate(config: dict, stage: int, world_size: int, local_world_size: int):
 class LinsEngine(DeepSpeedEngine):
     def __init__(self, *args, config=None, config_class=None, optimizer=None, **kwargs):
         t0 = time.perf_counter()
+        memory_guard.setup_allocator()  # before DeepSpeed moves the model to the device
         cfg, topo = validate(config, config_class.zero_optimization_stage, dist.get_world_size(),
                              comm.local_world_size())
         object.__setattr__(self, "lins_config", cfg)
@@ -104,7 +105,7 @@ class LinsEngine(DeepSpeedEngine):
             basic = client_optimizer
         else:
             basic = client_optimizer(model_parameters)
-        self._cap_allocator()
+        allocator = self._cap_allocator()
         basic.param_groups[:] = [pg for pg in basic.param_groups if len(pg["params"]) != 0]
         self._check_for_duplicates(basic)
         check_elementwise(basic, self.lins_config.elementwise_optimizer)  # the same verdict on every rank
@@ -123,7 +124,8 @@ class LinsEngine(DeepSpeedEngine):
             else:
                 plan, summary, cands, decision = self._tune_start(plan, summary)
         check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested(), self._settings())
-        announce(summary + ds_compat.clipping_note(self) + misaligned_note(self.module, gemm_dtype(self, param_dtype)))
+        notes = ("\n" + allocator if allocator else "") + ds_compat.clipping_note(self)
+        announce(summary + notes + misaligned_note(self.module, gemm_dtype(self, param_dtype)))
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
                                 device=torch.device(self.device), check_collectives=check,
@@ -170,8 +172,11 @@ class LinsEngine(DeepSpeedEngine):
                 "bf16/fp16 (the parameter dtype)": param, "data_types.grad_accum_dtype": str(accum),
                 "lins.grad_reduce_dtype": str(reduce), "gradient_clipping": self.gradient_clipping()}
 
-    def _cap_allocator(self) -> None:
-        memory_guard.cap_allocator(self.lins_config.gpu_memory_gb, torch.device(self.device))
+    def _cap_allocator(self) -> str:
+        """The allocator set up and held to lins.gpu_memory_gb less the reserve; the summary's line about it."""
+        note = memory_guard.setup_allocator()
+        memory_guard.cap_allocator(self.lins_config.gpu_memory_gb, torch.device(self.device), self.lins_config.reserved_gb)
+        return note
 
     def _lins_attach(self) -> None:
         """What code outside the engine sees of the plan: DeepSpeed's parameter API (``zero_api``), and, where

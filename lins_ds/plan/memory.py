@@ -52,6 +52,9 @@ STEP = ("optimizer_step",)
 TERMS = PERSISTENT + BACKWARD + STEP + ("reserved", "margin")
 
 
+FIELDS = ("layer_saved", "layer_saved_ckpt", "layer_transient", "head_peak")
+
+
 @dataclass(frozen=True)
 class ActivationProfile:
     """Activation memory of one micro-batch, in bytes (docs/design.md §8).
@@ -61,6 +64,12 @@ class ActivationProfile:
     layer_transient   the extra peak while one layer's backward runs (recompute excluded)
     head_peak         the peak of everything outside the layers over forward and backward (embedding output,
                       final norm, logits, the loss's fp32 copies, their gradients)
+
+    Each is the value at ``tokens`` (= micro-batch x ``seq_len``). Most of it grows with the tokens; what eager
+    attention keeps (its seq x seq weights, the soft-capping and softmax intermediates) and an eager causal mask
+    grow with micro-batch x seq_len squared. ``quadratic`` holds, per field, the bytes of that second kind at the
+    measured point (the probe fits both from two lengths; the formula models eager attention), so ``scaled`` never
+    stretches a quadratic term linearly (``seq_len`` 0: unknown, every term scales with the tokens).
     """
 
     source: str
@@ -69,31 +78,68 @@ class ActivationProfile:
     layer_saved_ckpt: float
     layer_transient: float
     head_peak: float
+    seq_len: int = 0
+    quadratic: tuple = (0.0, 0.0, 0.0, 0.0)  # bytes of each of FIELDS that grow as micro-batch x seq_len^2
 
-    def scaled(self, tokens: int) -> "ActivationProfile":
-        """The same model at another micro-batch size x sequence length (activations scale with tokens)."""
+    def scaled(self, tokens: int, seq_len: int = 0) -> "ActivationProfile":
+        """The same model at another micro-batch size x sequence length: the linear part of each term scales with
+        the tokens, the quadratic part with the tokens times the length (where both lengths are known)."""
         f = tokens / self.tokens
-        return ActivationProfile(self.source, tokens, self.layer_saved * f, self.layer_saved_ckpt * f,
-                                 self.layer_transient * f, self.head_peak * f)
+        g = seq_len / self.seq_len if seq_len and self.seq_len else 1.0
+        values = [(getattr(self, k) - q) * f + q * f * g for k, q in zip(FIELDS, self.quadratic)]
+        return ActivationProfile(self.source, tokens, *values, seq_len=seq_len or self.seq_len,
+                                 quadratic=tuple(q * f * g for q in self.quadratic))
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["quadratic"] = list(self.quadratic)
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> "ActivationProfile":
-        return cls(str(obj["source"]), int(obj["tokens"]), float(obj["layer_saved"]),
-                   float(obj["layer_saved_ckpt"]), float(obj["layer_transient"]), float(obj["head_peak"]))
+        quad = tuple(float(q) for q in obj.get("quadratic", (0.0,) * len(FIELDS)))
+        if len(quad) != len(FIELDS):
+            raise ValueError(f"quadratic: {len(quad)} values, expected {len(FIELDS)}")
+        return cls(str(obj["source"]), int(obj["tokens"]), *(float(obj[k]) for k in FIELDS),
+                   seq_len=int(obj.get("seq_len", 0)), quadratic=quad)
+
+
+def fitted(longer: "ActivationProfile", shorter: "ActivationProfile") -> "ActivationProfile":
+    """One profile from two measurements at the same micro-batch and two sequence lengths L1 > L2: each term split
+    into a part linear in the length and a quadratic one. Per sequence, v(L) = a L + b L^2, so v/L is linear in L:
+    b = (v1/L1 - v2/L2) / (L1 - L2), and the quadratic part at L1 is b L1^2. A quadratic part below
+    ``QUADRATIC_NOISE`` of its term (allocator rounding, a constant buffer) is taken as none: it would be stretched
+    by the square of the ratio."""
+    l1, l2 = longer.seq_len, shorter.seq_len
+    mb = longer.tokens // l1 if l1 else 0
+    if not (l1 > l2 > 0) or shorter.tokens != mb * l2 or longer.tokens != mb * l1:
+        raise ValueError(f"fitted: {longer.tokens} tokens at length {l1} and {shorter.tokens} at {l2} are not one "
+                         "micro-batch at two lengths, the first longer")
+    quad = []
+    for k in FIELDS:
+        v1, v2 = getattr(longer, k), getattr(shorter, k)
+        q = min(max(0.0, (v1 / l1 - v2 / l2) / (l1 - l2) * l1 * l1), v1)
+        quad.append(q if q > QUADRATIC_NOISE * v1 else 0.0)
+    return ActivationProfile(longer.source, longer.tokens, *(getattr(longer, k) for k in FIELDS), seq_len=l1,
+                             quadratic=tuple(quad))
+
+
+QUADRATIC_NOISE = 0.01
 
 
 def formula_activations(model: ModelSpec, train: TrainingSpec) -> ActivationProfile:
-    """The profile without a device: FlashAttention-style layers (``ModelSpec.activation_width``), the
-    layer input when checkpointed, one layer's worth of backward workspace, and a head that keeps the
-    embedding output and the logits with the loss's fp32 copy and gradient."""
-    tokens = train.tokens_per_micro_batch
+    """The profile without a device: FlashAttention-style layers (``ModelSpec.activation_width``) plus, in eager
+    attention, the seq x seq tensors each layer keeps (``ModelSpec.eager_score_bytes``, quadratic in the length), the
+    layer input when checkpointed, one layer's worth of backward workspace, and a head that keeps the embedding output
+    and the logits with the loss's fp32 copy and gradient (and an eager model's causal masks)."""
+    tokens, seq = train.tokens_per_micro_batch, train.seq_len
     a = train.param_bytes
-    layer = tokens * model.activation_width() * a
-    head = tokens * (model.hidden * a + model.vocab * (a + 4 + 4))
-    return ActivationProfile("formula", tokens, layer, tokens * model.hidden * a, layer, head)
+    scores = tokens * seq * model.eager_score_bytes(a)  # eager attention's seq x seq tensors, per layer
+    mask = tokens * seq * a * model.attention_masks if scores else 0.0  # the causal masks the model builds once
+    layer = tokens * model.activation_width() * a + scores
+    head = tokens * (model.hidden * a + model.vocab * (a + 4 + 4)) + mask
+    return ActivationProfile("formula", tokens, layer, tokens * model.hidden * a, layer, head, seq_len=seq,
+                             quadratic=(scores, 0.0, scores, mask))
 
 
 def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layout: Layout, ckpt_units: int,
@@ -174,7 +220,7 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     on_gpu = sum(resident)
     pb, gb = train.param_bytes, train.grad_bytes
     s_p, s_g, s_os = layout.sharding()
-    acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch)
+    acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch, train.seq_len)
     host_g = offload_units if offload_grads else 0
     host_p = offload_units if offload_params else 0
     phases = backward_phases(model, train, topo, layout, ckpt_units, acts, host_g, host_p)

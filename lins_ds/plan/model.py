@@ -37,6 +37,9 @@ class ModelSpec:
     experts: int = 0  # MoE: routed experts per layer (0: a dense MLP of ``intermediate``)
     experts_per_token: int = 0  # MoE: top-k
     shared_intermediate: int = 0  # MoE: a shared expert's width (qwen2_moe), with its own gate
+    attention: str = "sdpa"  # the attention implementation: "eager" keeps seq x seq tensors (formula_activations)
+    attn_softcap: bool = False  # eager attention soft-caps its scores (gemma2): one seq x seq tensor more
+    attention_masks: int = 1  # causal masks an eager model builds (gemma2: full and sliding-window)
     measured_units: tuple = ()  # a model the reader does not know: (root params, layer params...) counted on it
     unmodelled: str = ""  # what this description could not model (said in the plan's summary)
 
@@ -111,6 +114,15 @@ class ModelSpec:
         shared = 4 * self.shared_intermediate if self.shared_intermediate else 0
         return attention + 4 * self.experts_per_token * i + 2 * self.experts + shared
 
+    def eager_score_bytes(self, param_bytes: int) -> int:
+        """Bytes per token per key position one layer keeps for backward in eager attention (0 where attention is
+        fused, FlashAttention-style): the softmax's fp32 output, its cast to the parameter dtype (which the value
+        product saves), and with soft-capping the tanh's output."""
+        if self.attention != "eager":
+            return 0
+        cast = param_bytes if param_bytes != 4 else 0
+        return self.heads * (4 + cast + (param_bytes if self.attn_softcap else 0))
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, PaLM's MFU convention: 6 x (matmul parameters) + 12 x l x h x s
         (attention scores and values, forward + backward). Embedding lookups are not matmuls."""
@@ -154,7 +166,20 @@ def _llama_like(cfg: dict, name: str, mtype: str, **extra) -> ModelSpec:
         attention_bias=bool(cfg.get("attention_bias", mtype in ("qwen2", "qwen2_moe"))),
         head_dim=head_dim if own_width else 0,
         norms_per_layer=4 if mtype in ("gemma2", "gemma3_text") else 2,
-        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"), fused_projections=mtype == "phi3", **extra)
+        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"), fused_projections=mtype == "phi3",
+        attention=attention_of(cfg, mtype), attn_softcap=bool(cfg.get("attn_logit_softcapping")),
+        attention_masks=2 if cfg.get("sliding_window") and mtype.startswith("gemma") else 1, **extra)
+
+
+EAGER_ONLY = ("gemma2",)  # transformers has no SDPA path for these: they run eager attention
+
+
+def attention_of(cfg: dict, mtype: str) -> str:
+    """The attention implementation a config runs: its own (the engine passes the model's ``_attn_implementation``;
+    a config.json may name ``attn_implementation``), else eager for the types transformers runs no other way, else
+    SDPA (transformers' default where torch has it)."""
+    named = cfg.get("_attn_implementation") or cfg.get("attn_implementation")
+    return str(named) if named else ("eager" if mtype in EAGER_ONLY else "sdpa")
 
 
 def from_hf_config(cfg: dict, name: str) -> ModelSpec:

@@ -8,6 +8,7 @@ nothing to compare and the guard stays silent.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from typing import Optional
 
@@ -16,6 +17,7 @@ from deepspeed.utils import logger
 
 from ... import comm
 from ...plan import NoFeasiblePlan, Plan
+from ...plan.context import reserved_gb
 
 GIB = 2**30
 
@@ -35,25 +37,27 @@ def plan_block(plan: Plan) -> str:
 
 def verdict(plan: Plan, allocated_gb: float, reserved_by_allocator_gb: float, capacity_gb: Optional[float],
             reserved_gb: float, solve=None, fragmentation: float = 0.05, capped: bool = False) -> tuple:
-    """(over budget?, message). Over budget: the measured peak with the plan's allocator margin and reserve
-    (the quantity the plan's total predicts) exceeds the budget, or, where the budget is below the card
-    (``capped``: the allocator is held to it), what the allocator holds does. On a card no smaller than the budget
-    the allocator caches freely and what it holds is reported, not judged. ``solve(capacity)`` re-solves with a
-    smaller budget (None: nothing to re-solve)."""
+    """(over budget?, message). Where the budget is below the card (``capped``: the allocator is held to it less
+    the reserve) what the allocator holds, with the reserve, is what the card gives the run, and that is judged;
+    elsewhere the allocator caches freely, so the measured peak with the plan's allocator margin and reserve (the
+    quantity the plan's total predicts) is judged, and what the allocator holds is reported. ``solve(capacity)``
+    re-solves with a smaller budget (None: nothing to re-solve)."""
     line = (f"lins memory: measured peak {allocated_gb:.2f} GiB allocated ({reserved_by_allocator_gb:.2f} GiB held "
             f"by the allocator) vs predicted {plan.predicted_peak_gb:.2f} GiB allocated "
             f"({100 * (allocated_gb / plan.predicted_peak_gb - 1) if plan.predicted_peak_gb else 0:+.1f} %); "
             f"activation memory: {plan.memory_profile or 'not modelled (fixed plan)'}")
     if capacity_gb is None:
         return False, line
-    # what the allocator holds counts too: with lins.gpu_memory_gb below the card it is held to the budget
-    # (``cap_allocator``), and a caching allocator over it is memory a GPU shared with another process lacks
-    used = max(allocated_gb * (1 + fragmentation), reserved_by_allocator_gb if capped else 0.0) + reserved_gb
+    # with lins.gpu_memory_gb below the card the allocator is held to the budget less the reserve (``cap_allocator``):
+    # what it holds is the run's use, and the plan's margin has done its job if that fits
+    used = (reserved_by_allocator_gb if capped else allocated_gb * (1 + fragmentation)) + reserved_gb
     if used <= capacity_gb:
-        return False, line + f"; {used:.2f} of {capacity_gb:g} GiB (lins.gpu_memory_gb) needed with margin and reserve"
+        how = "held by the allocator, with the reserve" if capped else "needed with margin and reserve"
+        return False, line + f"; {used:.2f} of {capacity_gb:g} GiB (lins.gpu_memory_gb) {how}"
     excess = used - capacity_gb
-    msg = (line + f". Over budget: the run needs {used:.2f} GiB ({allocated_gb:.2f} allocated, "
-           f"{100 * fragmentation:g} % allocator margin or {reserved_by_allocator_gb:.2f} held by the allocator, "
+    held = (f"{reserved_by_allocator_gb:.2f} held by the allocator" if capped else
+            f"{100 * fragmentation:g} % allocator margin")
+    msg = (line + f". Over budget: the run needs {used:.2f} GiB ({allocated_gb:.2f} allocated, {held}, "
            f"{reserved_gb:g} reserved), {excess:.2f} GiB more than lins.gpu_memory_gb = {capacity_gb:g}.")
     if solve is not None and plan.memory_gb > 0:
         under = used - plan.memory_gb  # what the prediction missed, taken off the budget
@@ -69,19 +73,57 @@ def verdict(plan: Plan, allocated_gb: float, reserved_by_allocator_gb: float, ca
     return True, msg
 
 
-def cap_allocator(budget_gb: Optional[float], device: torch.device) -> Optional[float]:
-    """Hold torch's caching allocator to ``budget_gb`` (lins.gpu_memory_gb) where that is below the card: a GPU shared
+ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's name, and the older one it still reads
+
+
+def _set_allocator_settings(settings: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)
+
+
+def setup_allocator() -> str:
+    """Expandable segments for torch's CUDA caching allocator, before the plan allocates anything (the engine calls
+    this first thing, and again before its first plan): the plan budgets what is allocated, and without them the
+    blocks the allocator has cached but cannot reuse for a larger request (a 4 GiB fp32 logits tensor among freed
+    layer activations) count against the cap as well — 3.8 GiB of a 24 GiB budget and 10.9 of 40 on Gemma-2-2B, an
+    out-of-memory error from a plan that fits (issue 61). With expandable segments a segment grows and shrinks in
+    place, so what is free is usable. A user's own setting of ``expandable_segments`` (``PYTORCH_ALLOC_CONF`` or
+    ``PYTORCH_CUDA_ALLOC_CONF``) is kept. Returns the line the start-up summary prints (empty off CUDA)."""
+    if not torch.cuda.is_available():
+        return ""
+    named = {k: os.environ[k] for k in ALLOC_ENV if "expandable_segments" in os.environ.get(k, "")}
+    if named:
+        key, value = next(iter(named.items()))
+        if "expandable_segments:true" in value.lower().replace(" ", ""):
+            return f"  allocator: expandable segments ({key}={value})"
+        return (f"  allocator: expandable segments off ({key}={value}): blocks the allocator caches but cannot reuse "
+                "count against lins.gpu_memory_gb and are not in the plan, so a plan that fits can still run out of "
+                "memory; unset it to let Lins turn them on")
+    backend = torch.cuda.memory.get_allocator_backend()
+    if backend != "native":
+        return f"  allocator: {backend} (no expandable segments; its own pool reuses freed memory)"
+    _set_allocator_settings("expandable_segments:True")
+    return ("  allocator: expandable segments on (set by Lins: freed memory is reusable whatever its size, so "
+            "fragmentation cannot push a planned peak over the budget; PYTORCH_ALLOC_CONF=expandable_segments:False "
+            "keeps torch's default)")
+
+
+def cap_allocator(budget_gb: Optional[float], device: torch.device, reserved: Optional[float] = None) -> Optional[float]:
+    """Hold torch's caching allocator to ``budget_gb`` (lins.gpu_memory_gb) less the reserve (``reserved``:
+    lins.reserved_gb, else the device's default: the CUDA context and the communicators, outside the allocator) where the budget is below the card: a GPU shared
     with another process (an inference engine beside RL training) or a budget for a smaller card is then what the run
-    takes, not what the allocator would cache. The plan keeps its allocated peak, margin and ``reserved_gb`` within the
-    budget, so what the allocator may cache beyond the plan's margin is at most that reserve (the CUDA context and the
-    communicators' memory, outside the allocator, take part of it). The fraction set, or None (no budget, or not below
-    the card, or not CUDA)."""
+    takes, not what the allocator would cache. The plan keeps its allocated peak and margin within that share, and
+    with expandable segments (``setup_allocator``) the allocator gives back cached pages before it fails, so what it
+    holds stays within the budget with the reserve. The fraction set, or None (no budget, or not below the card, or
+    not CUDA)."""
     if device.type != "cuda" or budget_gb is None:
         return None
     total = torch.cuda.get_device_properties(device).total_memory / GIB
     if budget_gb >= total:
         return None
-    fraction = budget_gb / total
+    fraction = max(budget_gb - reserved_gb(reserved, device.type), 0.5 * budget_gb) / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from ... import comm
 from ...plan import PlanError
-from ...plan.memory import ActivationProfile
+from ...plan.memory import ActivationProfile, fitted
 from ...plan.model import from_hf_config
 from ..step import recompute
 
@@ -235,7 +235,22 @@ def _without_hooks(model: nn.Module):
 
 def probe(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab: int,
           device: torch.device) -> ActivationProfile:
-    """Measure ``model`` (a causal LM taking ``input_ids`` and ``labels``) whose layer units are ``layers``."""
+    """Measure ``model`` (a causal LM taking ``input_ids`` and ``labels``) whose layer units are ``layers``, at
+    ``seq_len`` and at half of it, and split each term into its linear and quadratic parts in the length
+    (``plan.memory.fitted``): eager attention keeps seq x seq tensors, and a re-size for a longer batch must grow
+    them as the square of the length, not linearly."""
+    at_full = _probe_once(model, layers, micro_batch, seq_len, vocab, device)
+    half = seq_len // 2
+    if half < SHORTEST_FIT_SEQ:
+        return at_full
+    return fitted(at_full, _probe_once(model, layers, micro_batch, half, vocab, device))
+
+
+SHORTEST_FIT_SEQ = 8  # below this the two lengths are too close to constant buffers to split the terms
+
+
+def _probe_once(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab: int,
+                device: torch.device) -> ActivationProfile:
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
     batch = {"input_ids": tokens, "labels": tokens}
     was_training = model.training
@@ -245,13 +260,15 @@ def probe(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab:
             args, kwargs = _capture_layer_inputs(model, layers[0], batch)
             s, t, out_type = _layer_run(layers[0], args, kwargs, device, checkpointed=False)
             s_ckpt, _, _ = _layer_run(layers[0], args, kwargs, device, checkpointed=True)
+            del args, kwargs
             head_saved, head_peak = _head_run(model, layers, batch, device, out_type)
     finally:
         model.train(was_training)
     if device.type != "cuda":  # no peaks to read: one layer's saved bytes of workspace, the head's twice
         t, head_peak = s, 2 * head_saved
     source = f"measured:{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'saved-tensors'}"
-    return ActivationProfile(source, micro_batch * seq_len, float(s), float(s_ckpt), float(t), float(head_peak))
+    return ActivationProfile(source, micro_batch * seq_len, float(s), float(s_ckpt), float(t), float(head_peak),
+                             seq_len=seq_len)
 
 
 def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device) -> dict:
@@ -267,7 +284,8 @@ def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.de
             "attention": str(getattr(cfg, "_attn_implementation", None)),
             "dtype": str(next(model.parameters()).dtype), "micro_batch": micro_batch, "seq_len": seq_len,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__}
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "fit": "linear+quadratic in the length"}  # profiles measured at one length are not reused
 
 
 def cache_path(key: dict, directory: str) -> str:

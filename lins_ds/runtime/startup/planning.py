@@ -42,7 +42,9 @@ def _model_spec(module: torch.nn.Module, cfg: LinsConfig):
     why = "not a Hugging Face model"
     if hf is not None and hasattr(hf, "to_dict"):
         try:
-            return from_hf_config(hf.to_dict(), type(module).__name__)
+            # the implementation the model runs, which to_dict() leaves out: eager attention's memory is quadratic
+            attention = {"_attn_implementation": getattr(hf, "_attn_implementation", None)}
+            return from_hf_config({**hf.to_dict(), **attention}, type(module).__name__)
         except PlanError as e:
             why = str(e).split(": ", 1)[-1]
     return _measured_spec(module, cfg, why)
