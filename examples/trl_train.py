@@ -101,8 +101,17 @@ def main():
     path = os.path.join(args.output_dir, "init")
     if args.process_index == 0:
         build(path, script, args.seed)
-    args.distributed_state.wait_for_everyone()
     data = dataset(script.trainer, script.samples, args.seed)
+    if getattr(args, "precompute_ref_log_probs", False):
+        # TRL caches the reference log-probs next to the dataset's files and every rank reads rank 0's: a dataset
+        # held in memory has its cache in a temporary directory of each process, so it goes to disk first
+        from datasets import load_from_disk
+
+        if args.process_index == 0:
+            data.save_to_disk(os.path.join(args.output_dir, "data"))
+    args.distributed_state.wait_for_everyone()
+    if getattr(args, "precompute_ref_log_probs", False):
+        data = load_from_disk(os.path.join(args.output_dir, "data"))
     tok = transformers.AutoTokenizer.from_pretrained(path)
     if script.trainer == "dpo":
         trainer = trl.DPOTrainer(model=path, args=args, train_dataset=data, processing_class=tok)

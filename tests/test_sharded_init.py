@@ -275,3 +275,138 @@ def test_host_memory_of_a_sharded_build_is_a_fraction_of_an_eager_one():
         # this rank's quarter and what the build keeps besides, plus one parameter whole while the eager
         # initialisation is replayed (lins.init "eager"; "per_module" stays under 0.4 alone: 217 of 699 MB)
         assert grown < 0.4 * eager_grown + largest, (grown, eager_grown, largest)
+
+
+# --- issue 58: a rank's from_pretrained decides alone; deepspeed.initialize makes the ranks agree ------------------
+def one_rank_loads(path, out_dir, cfg):
+    """A Lins TrainingArguments alive, rank 0 alone calls from_pretrained (an evaluation after training), then
+    every rank meets at a collective."""
+    args = transformers.TrainingArguments(output_dir=out_dir, deepspeed=cfg, report_to=[],  # noqa: F841
+                                          per_device_train_batch_size=2)
+    rank = torch.distributed.get_rank()
+    state = None
+    if rank == 0:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        state = None if any(p.is_meta for p in model.parameters()) else model.state_dict()
+    met = [None, None]
+    torch.distributed.all_gather_object(met, ("met", rank))
+    return state, met
+
+
+def test_one_rank_alone_loads_while_a_lins_training_arguments_is_alive(saved, tmp_path):
+    tmp, weights, _ = saved
+    (state, met), (_, met1) = run(one_rank_loads, 2, str(tmp / "single"), str(tmp_path), ds_config(P2),
+                                  gpus_per_node=2, timeout=120)
+    assert met == met1 == [("met", 0), ("met", 1)]
+    assert state is not None and all(torch.equal(state[k], weights[k]) for k in weights)  # loaded whole: it fits
+
+
+def loads_then_trains(path, out_dir, how):
+    """Every rank: from_pretrained with a Lins TrainingArguments alive, then deepspeed.initialize with a client
+    optimizer built before (as the HF Trainer does) and three steps. ``how``: "eager" / "sharded" (every rank), "mixed" (rank 1
+    finds its whole copy does not fit, as a rank measuring after another had loaded may), "mixed-resized" (the ranks
+    with whole copies resize them). What initialize raised, else (deferred, state after initialize, losses)."""
+    import deepspeed
+
+    from lins_ds.integrations import sharded_init
+
+    rank = torch.distributed.get_rank()
+    cfg = ds_config(P2)
+    del cfg["optimizer"]
+    lins = {**cfg["lins"], "sharded_load": {"eager": False, "sharded": True}.get(how)}
+    if how.startswith("mixed") and rank == 1:
+        sharded_init.EAGER_SHARE = 0.0
+    args = transformers.TrainingArguments(output_dir=out_dir, deepspeed={**cfg, "lins": lins},  # noqa: F841
+                                          report_to=[], per_device_train_batch_size=2)
+    torch.manual_seed(5)  # the missing keys' initialisation on ranks that load whole
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    deferred = any(p.is_meta for p in model.parameters())
+    if how == "mixed-resized" and not deferred:
+        model.resize_token_embeddings(100)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    try:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    losses = []
+    for step in range(3):
+        x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return deferred, state, losses
+
+
+@pytest.fixture(scope="module")
+def headless(saved):
+    """The tiny LLaMA's checkpoint without lm_head.weight: a key every load initialises."""
+    from safetensors.torch import load_file, save_file
+
+    tmp, _, _ = saved
+    out = tmp / "headless"
+    transformers.LlamaForCausalLM(llama_config()).config.save_pretrained(out)
+    weights = load_file(tmp / "single" / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("form", ["single", "headless"])
+def test_ranks_that_load_differently_start_alike_at_deepspeed_initialize(saved, headless, form, tmp_path):
+    tmp, _, _ = saved
+    path = str(headless if form == "headless" else tmp / form)
+    mixed = run(loads_then_trains, 2, path, str(tmp_path), "mixed", gpus_per_node=2, timeout=240)
+    assert [deferred for deferred, _, _ in mixed] == [False, True]
+    # a checkpoint with every key: the values every load gives; one without lm_head: that of the ranks loading sharded
+    reference = run(loads_then_trains, 2, path, str(tmp_path), "eager" if form == "single" else "sharded",
+                    gpus_per_node=2, timeout=240)
+    for (_, state, losses), (_, ref_state, ref_losses) in zip(mixed, reference):
+        assert set(state) == set(ref_state) and all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+        assert losses == ref_losses
+
+
+def test_ranks_whose_models_differ_fail_together_at_deepspeed_initialize(saved, tmp_path):
+    tmp, _, _ = saved
+    errors = run(loads_then_trains, 2, str(tmp / "single"), str(tmp_path), "mixed-resized", gpus_per_node=2,
+                 timeout=240)
+    for error in errors:
+        assert isinstance(error, str) and "LinsConfigError" in error and "lins.sharded_load" in error, error
+
+
+# --- a sharded load's state_dict is readable before deepspeed.initialize (TRL hashes it) --------------------------
+def read_before_initialize(path, lora):
+    import deepspeed
+    from trl.trainer.utils import hash_module
+
+    cfg = ds_config(P2)
+    with lins_ds.init(config=cfg):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    meta = all(p.is_meta for p in model.parameters())
+    before = {k: v.cpu() for k, v in model.state_dict().items()}  # each entry computed as it is read
+    digest = hash_module(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-3), config=cfg)
+    after = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.destroy()
+    return meta, before, after, digest
+
+
+@pytest.mark.parametrize("form,lora", [("single", False), ("headless", False), ("headless", True)],
+                         ids=["checkpoint", "missing-key", "missing-key-lora"])
+def test_a_sharded_loads_state_dict_holds_the_values_initialize_gives(saved, headless, form, lora):
+    pytest.importorskip("trl")
+    from trl.trainer.utils import hash_module
+
+    tmp, weights, _ = saved
+    path = str(headless if form == "headless" else tmp / form)
+    for meta, before, after, digest in run(read_before_initialize, 2, path, lora, gpus_per_node=2, timeout=240):
+        assert meta and set(before) == set(after)
+        assert all(torch.equal(before[k], after[k]) for k in after)
+        if form == "single":
+            assert digest == hash_module(transformers.AutoModelForCausalLM.from_pretrained(path))

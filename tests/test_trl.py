@@ -40,6 +40,19 @@ def ds_config(name, tmp_path, plan=None):
     return str(out)
 
 
+def config_with(tmp_path, name, base, **changes):
+    """``base`` (a file of ds_configs) with top-level keys replaced and ``lins`` keys set: a file under tmp_path."""
+    with open(os.path.join(ROOT, "ds_configs", base)) as f:
+        cfg = json.load(f)
+    lins = changes.pop("lins", None)
+    cfg.update(changes)
+    if lins:
+        cfg["lins"].update(lins)
+    out = tmp_path / name
+    out.write_text(json.dumps(cfg))
+    return str(out)
+
+
 def column(run, key):
     return [h[key] for h in run["log"]]
 
@@ -64,3 +77,18 @@ def test_grpo_with_a_reference_model_and_uneven_completions_equals_zero1(tmp_pat
         assert (lins["engine"], lins["ref_engine"]) == ("LinsEngine", "LinsEngine")
         for key in ("loss", "kl", "reward", "completions/mean_length"):
             assert max(abs(a - b) for a, b in zip(column(lins, key), column(zero1, key))) <= 1e-5, (plan, key)
+
+
+def test_dpo_precomputing_reference_log_probs_on_a_sharded_load_equals_zero3(tmp_path):
+    """TRL hashes the policy (its state_dict) and runs it in a forward-only engine before training: on a sharded load
+    (lins.sharded_load: true, nothing read before deepspeed.initialize) the state_dict's entries are computed as TRL
+    reads them. Held to ZeRO-3, whose from_pretrained partitions the model (zero.Init) as a sharded load defers it."""
+    precompute = ("--precompute_ref_log_probs", "True")
+    zero3 = trl_run("dpo", config_with(tmp_path, "zero3.json", "hf_zero1.json", zero_optimization={"stage": 3}),
+                    tmp_path / "zero3", *precompute)
+    lins = trl_run("dpo", config_with(tmp_path, "sharded.json", "hf_lins.json", lins={"sharded_load": True}),
+                   tmp_path / "lins", *precompute)
+    assert (lins["engine"], lins["ref_engine"], zero3["ref_engine"]) == ("LinsEngine", "NoneType", "NoneType")
+    assert len(column(lins, "loss")) == 4 and any(m != 0 for m in column(zero3, "rewards/margins"))
+    for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins"):
+        assert max(abs(a - b) for a, b in zip(column(lins, key), column(zero3, key))) <= 1e-5, key

@@ -30,7 +30,7 @@ from ..runtime.step import recompute
 from ..runtime.switch import tune
 from ..runtime.step.executor import grad_tensors
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
-from ..runtime.startup.materialize import is_deferred
+from ..runtime.startup.materialize import agree, is_deferred
 from ..runtime.memory.memory_guard import report_startup
 from ..runtime.step.optimizer import LinsOptimizer, check_elementwise
 from ..runtime.startup.planning import (agree_on_plan, announce, forward_only_plan, gemm_dtype, misaligned_note,
@@ -76,6 +76,8 @@ class LinsEngine(DeepSpeedEngine):
         # deepspeed.initialize already gave it a config without them, config.translate_zero_offload)
         config_class.zero_config.offload_optimizer = None
         config_class.zero_config.offload_param = None
+        if kwargs.get("model") is not None:  # from_pretrained decided its load on each rank alone: one way for all
+            agree(kwargs["model"], cfg.init)
         if kwargs.get("model") is not None and is_deferred(kwargs["model"]):
             kwargs["dont_change_device"] = True  # built without values: the runtime places it, unit by unit
         super().__init__(*args, config=config, config_class=config_class, optimizer=optimizer, **kwargs)

@@ -9,12 +9,19 @@ initialisation under a per-module seed, so the initial values are the same for e
 patched for the duration so that each checkpoint tensor stays a lazy safetensors slice attached to its meta
 parameter; the runtime later reads only the rows of the elements this rank keeps. The Hugging Face Trainer
 form: a live ``TrainingArguments(deepspeed=...)`` whose config has a ``lins`` block makes ``from_pretrained``
-and ``from_config`` enter this context by themselves, as transformers does for ZeRO-3.
+and ``from_config`` enter this context by themselves, as transformers does for ZeRO-3, where the model's whole copies
+do not fit the host. That decision is each rank's own (no collective: one rank may load a model alone, for an
+evaluation); ``deepspeed.initialize`` makes the ranks agree (``runtime/startup/materialize.agree``).
+
+A model ``from_pretrained`` builds without values has a readable ``state_dict()``: each entry is computed when it is
+first used (its checkpoint rows read, or its initialisation run), one tensor at a time, with the values
+``deepspeed.initialize`` will give it (TRL hashes the model before precomputing its reference log-probs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 from typing import Optional
@@ -22,14 +29,16 @@ from typing import Optional
 import psutil
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 import lins_ds_autoload
 
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
-from ..runtime.startup.materialize import SEED, SOURCE
+from ..runtime.startup.materialize import SEED, SOURCE, InMemory, Materializer, is_deferred
 from ..runtime.startup.init_replay import Recorder, release
 
 _depth = 0  # nesting of init contexts (from_pretrained called inside one enters none)
+_modes: list = []  # lins.init of each open init context, innermost last
 _paused = 0  # nesting of paused() blocks: parameters registered inside keep their values
 
 
@@ -107,11 +116,13 @@ def init(config=None, seed: Optional[int] = None):
 
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
     _depth += 1
+    _modes.append(mode)
     try:
         with _deferred_hf_loading(), recorder or contextlib.nullcontext():
             yield
     finally:
         _depth -= 1
+        _modes.pop()
         handle.remove()
         release()
 
@@ -187,17 +198,53 @@ def _no_kernels_on_meta():
     return undo
 
 
-class _InMemory:
-    """A source already read (a converted tensor)."""
+_InMemory = InMemory  # a source already read (a converted tensor; PEFT's adapter values)
 
-    def __init__(self, t: torch.Tensor):
-        self.t = t.detach().reshape(-1)
 
-    def read(self, a: int, b: int) -> torch.Tensor:
-        return self.t[a:b]
+# --- a deferred model's state_dict: each entry computed when used -----------------------------------------------
+class ReadOnUse(torch.Tensor):
+    """A deferred parameter's entry in ``state_dict()``: a meta tensor of its shape and dtype whose every use
+    (``.cpu()``, ``.to(...)``, ``copy_`` into another tensor, arithmetic) first computes its whole value on the host,
+    the value ``deepspeed.initialize`` will give it. Nothing keeps it: a reader going through the entries holds one
+    parameter at a time (TRL's ``hash_module``)."""
 
-    def full(self) -> torch.Tensor:
-        return self.t
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, compute):
+        t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device="meta")
+        t._compute = compute
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def real(x):
+            return x._compute() if isinstance(x, ReadOnUse) else x
+        return func(*tree_map(real, args), **tree_map(real, kwargs or {}))
+
+    def __repr__(self) -> str:
+        return f"ReadOnUse(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def readable_state_dict(model: nn.Module, mode: str) -> None:
+    """``model.state_dict()`` (and that of every model that wraps it: PEFT's) gives ``ReadOnUse`` entries for its
+    meta parameters. ``mode``: the config's ``lins.init``."""
+    if getattr(model, "_lins_readable", False):
+        return
+
+    def entries_on_use(module, state_dict, prefix, local_metadata):
+        mat = None
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if not p.is_meta or key not in state_dict or state_dict[key] is p:  # keep_vars: the parameters asked for
+                continue
+            if mat is None:  # the seeds of initialised parameters are made of their names in the root model
+                mat = Materializer(module, torch.device("cpu"), init=mode, prefix=prefix)
+            if id(p) in mat.info:
+                state_dict[key] = ReadOnUse(p, functools.partial(mat.value, p))
+
+    model.register_state_dict_post_hook(entries_on_use)
+    model._lins_readable = True
 
 
 # --- the Hugging Face Trainer form: TrainingArguments(deepspeed=lins config) before from_pretrained ------------
@@ -213,17 +260,26 @@ def _hf_lins_config() -> Optional[dict]:
 
 def _entering(fn):
     def wrapper(cls, *args, **kwargs):
-        cfg = None if active() or not lins_ds_autoload.lins_on() else _hf_lins_config()
+        if active():  # inside lins_ds.init: built without values, its state_dict readable
+            model = fn(cls, *args, **kwargs)
+            if isinstance(model, nn.Module) and is_deferred(model):
+                readable_state_dict(model, _modes[-1])
+            return model
+        cfg = _hf_lins_config() if lins_ds_autoload.lins_on() else None
         if cfg is None:
             return fn(cls, *args, **kwargs)
-        sharded = parse_lins_config(lins_block(cfg)).sharded_load
-        if sharded is False:
+        lins = parse_lins_config(lins_block(cfg))
+        if lins.sharded_load is False:
             return fn(cls, *args, **kwargs)
+        rng = torch.get_rng_state()
         with init(cfg):
             model = fn(cls, *args, **kwargs)
-        if sharded is None and _fits_eagerly(model):  # a normal model: code before deepspeed.initialize may use it
-            del model
+        if lins.sharded_load is None and _fits_eagerly(model):  # a normal model: code before deepspeed.initialize
+            del model                                            # may use it
+            torch.set_rng_state(rng)  # drawing what a load without Lins draws (the values the meta build recorded)
             return fn(cls, *args, **kwargs)
+        if isinstance(model, nn.Module):
+            readable_state_dict(model, lins.init)
         return model
     wrapper._lins_patched = True
     return classmethod(wrapper)
@@ -233,18 +289,15 @@ EAGER_SHARE = 0.8  # of the host's available memory, what the ranks of a node ma
 
 
 def _fits_eagerly(model: nn.Module) -> bool:
-    """Whether every rank of every node can hold its own full copy of ``model`` (built on meta: the size is known,
-    nothing is read) in its host's available memory. Every rank gets the same answer (ranks building differently
-    would issue different collectives at deepspeed.initialize): each measures before any loads, then they agree."""
-    import torch.distributed as tdist
-
+    """Whether every rank of this node can hold its own full copy of ``model`` (built on meta: the size is known,
+    nothing is read) in the host's available memory. This rank's own answer, with no collective: ``from_pretrained``
+    may run on one rank alone (an evaluation after training). Ranks that answer differently (their hosts differ, or
+    a rank measured after another had loaded) are reconciled where every rank is, at ``deepspeed.initialize``
+    (``runtime/startup/materialize.agree``)."""
     from .. import comm
 
     need = sum(p.numel() * p.element_size() for p in model.parameters()) * max(1, comm.local_world_size())
-    fits = need <= EAGER_SHARE * psutil.virtual_memory().available
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-        fits = all(comm.all_gather_object(fits))
-    return fits
+    return need <= EAGER_SHARE * psutil.virtual_memory().available
 
 
 def install_hf() -> None:

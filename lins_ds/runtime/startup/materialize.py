@@ -7,7 +7,14 @@ its meta parameters are replaced in the model by parameters that are views into 
 name), parameters read from a checkpoint get this rank's P chunk only, and the rest of the buffer is freed.
 
 So the initial values depend on the seed and the module names alone: the same for every plan and world
-size, and every rank computes the same values for the chunks it keeps.
+size, and every rank computes the same values for the chunks it keeps. ``Materializer.value`` computes one
+parameter's whole value ahead of that (a deferred model's ``state_dict`` read before ``deepspeed.initialize``).
+
+``agree`` runs at engine start-up on every rank, before anything depends on it: whether the model was built without
+values must be the same on every rank (DeepSpeed broadcasts a model that has values, and the runtime builds one that
+has none unit by unit: ranks that differ would issue different collectives). Ranks that decided alone (a Lins
+``TrainingArguments``' ``from_pretrained`` decides on each rank from its host's free memory) may differ; then the
+ranks that hold values defer them too, keeping those values as the parameters' sources.
 """
 
 from __future__ import annotations
@@ -45,6 +52,19 @@ def owners(model: nn.Module) -> dict:
     return out
 
 
+class InMemory:
+    """A source already read (a converted checkpoint tensor, PEFT's adapter values, a rank's own eager values)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t.detach().reshape(-1)
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        return self.t[a:b]
+
+    def full(self) -> torch.Tensor:
+        return self.t
+
+
 def replace(where: dict, old: nn.Parameter, new: nn.Parameter) -> None:
     """Register ``new`` wherever ``old`` is (the Parameter objects change: DeepSpeed keeps weak references to
     the originals, which forbid swapping them in place)."""
@@ -57,11 +77,12 @@ class Materializer:
     seed and checkpoint source; then fills units as the runtime builds them."""
 
     def __init__(self, model: nn.Module, device: torch.device, default_seed: Optional[int] = None,
-                 init: str = "eager"):
+                 init: str = "eager", prefix: str = ""):
         """``init``: "eager" gives a parameter whose eager initialisation was recorded (lins_ds.init) exactly those
         values; "per_module" (and any parameter without a usable record) its module's own initialisation under a
-        seed of (seed, module name)."""
-        self.model, self.device = model, device
+        seed of (seed, module name). ``prefix``: ``model``'s name in the model the engine will get (a PEFT model
+        wraps it): the module names the seeds are made of."""
+        self.model, self.device, self.prefix = model, device, prefix
         self.modules = dict(model.named_modules())
         self.where = owners(model)
         self.info: dict = {}  # id(param) -> (name, module name, checkpoint source)
@@ -131,11 +152,35 @@ class Materializer:
         if owner in self._initialised:
             return
         self._initialised.add(owner)
+        self._run_init(owner)
+
+    def _run_init(self, owner: str) -> None:
         module = self.modules[owner]
+        name = self.prefix + owner if owner else self.prefix.rstrip(".")
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(module_seed(self.seed, owner))
+            torch.manual_seed(module_seed(self.seed, name))
             _init_module(self.model, module, owner or type(module).__name__)
+
+    def value(self, param: nn.Parameter) -> torch.Tensor:
+        """The whole value the runtime will give ``param`` (meta), computed now as a new tensor on the device: read
+        from its source, else its module's initialisation run on temporaries (the model is left as it was)."""
+        _, owner, source = self.info[id(param)]
+        if source is not None:
+            return source.read(0, param.numel()).reshape(param.shape).to(param.dtype, copy=True)
+        params = [p for p in self.modules[owner]._parameters.values()
+                  if p is not None and p.is_meta and self.info.get(id(p), (None,) * 3)[2] is None]
+        temps = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+                                     requires_grad=p.requires_grad) for p in params}
+        places = [(m, n, p) for p in params for m, n in self.where.get(id(p), [])]
+        for m, n, p in places:
+            m._parameters[n] = temps[id(p)]
+        try:
+            self._run_init(owner)
+        finally:
+            for m, n, p in places:
+                m._parameters[n] = p
+        return temps[id(param)].detach()
 
     def materialise_buffers(self) -> None:
         """Buffers on the meta device (a model built on torch.device("meta")): allocated on the device and
@@ -156,6 +201,85 @@ class Materializer:
                 new.copy_(source.read(0, param.numel()).view(param.shape).to(param.dtype))
         else:
             self.initialise(owner)
+
+
+# --- engine start-up: every rank builds the model the same way ------------------------------------------------
+def agree(model: nn.Module, init: str = "eager") -> None:
+    """At engine start-up, on every rank, before anything depends on it: make ``is_deferred(model)`` the same on
+    every rank. Where only some ranks built the model without values (each rank of a Lins ``TrainingArguments``
+    decides alone in ``from_pretrained``, from its host's free memory), the others defer theirs: each parameter
+    becomes meta (the same object: optimizers that hold it keep it) with its values as its source, so every rank
+    starts from the same values without a broadcast. A parameter that a deferred rank initialises (no checkpoint
+    source: a key the checkpoint lacks) is initialised on every rank as there (its module's initialisation, the
+    deferred ranks' seed). Models that differ (a whole copy resized, say) raise the same error on every rank."""
+    import torch.distributed as tdist
+
+    from ... import comm
+
+    if not (tdist.is_available() and tdist.is_initialized()) or comm.world_size() == 1:
+        return
+    deferred = is_deferred(model)
+    if comm.max_over_world_cpu(int(deferred)) == -comm.max_over_world_cpu(-int(deferred)):
+        return  # the same on every rank (two small CPU all-reduces)
+    mat = Materializer(model, torch.device("cpu"), init=init) if deferred else None
+    mine = (_signature(model), sorted(n for n, _, s in mat.info.values() if s is None) if mat else None,
+            mat.seed if mat else None)
+    everyone = [None] * comm.world_size()
+    tdist.all_gather_object(everyone, mine, group=comm._cpu_group())
+    ranks = {d: [r for r, (_, names, _) in enumerate(everyone) if (names is not None) == d] for d in (True, False)}
+    how = (f"ranks {ranks[True]} built the model without values (lins_ds.init, a sharded load) and ranks "
+           f"{ranks[False]} with them (an eager load)")
+    if len({sig for sig, _, _ in everyone}) > 1:
+        raise LinsConfigError(
+            f"lins: {how}, and their models differ (parameter names, shapes or dtypes; resize_token_embeddings on the "
+            "whole copies?). Every rank must load the same way: set lins.sharded_load to true or false")
+    error = None
+    if not deferred:
+        initialised = set().union(*(names for _, names, _ in everyone if names is not None))
+        seed = next(seed for _, names, seed in everyone if names is not None)
+        try:
+            _defer(model, initialised, seed)
+        except RuntimeError as e:  # torch.utils.swap_tensors refuses a parameter something holds a weak reference to
+            error = f"lins: {how}, and rank {comm.rank()} could not defer its copy to match: {e}"
+    error = _agree_cpu(error)
+    if error:
+        raise LinsConfigError(error + ". Set lins.sharded_load to true or false so that every rank loads the same way")
+    if comm.rank() == 0:
+        print(f"lins_ds: {how}, each deciding from its host's free memory; the whole copies are deferred too, keeping "
+              "their values (lins.sharded_load: true or false makes every rank load the same way)", flush=True)
+
+
+def _signature(model: nn.Module) -> str:
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    return hashlib.sha256(repr(shapes).encode()).hexdigest()
+
+
+def _agree_cpu(error: Optional[str]) -> Optional[str]:
+    """comm.agree over the CPU group (the device may not be set yet at engine start-up)."""
+    import torch.distributed as tdist
+
+    from ... import comm
+
+    everyone = [None] * comm.world_size()
+    tdist.all_gather_object(everyone, error, group=comm._cpu_group())
+    return next((e for e in everyone if e), None)
+
+
+@torch.no_grad()
+def _defer(model: nn.Module, initialised: set, seed: int) -> None:
+    """Every parameter of ``model`` on the meta device, the same Parameter objects (``torch.utils.swap_tensors``):
+    its values kept as its source, except the parameters named in ``initialised``, which get their module's
+    initialisation under ``seed`` as on the ranks that built the model without values."""
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:
+            continue
+        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        meta.__dict__.update(p.__dict__)  # swap_tensors swaps the attributes too: the parameter keeps its own
+        values = p.detach()
+        torch.utils.swap_tensors(p, meta)
+        setattr(p, SEED, seed)
+        if name not in initialised:
+            setattr(p, SOURCE, InMemory(values))
 
 
 def _hf_owner(model: nn.Module, module: nn.Module):
