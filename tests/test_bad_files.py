@@ -1,6 +1,7 @@
 """Every broken file a user can hand us: one clear error naming the file, on every rank, exit status 2 from the
 CLI, nothing the user saved changed. And checkpoints of other kinds are called what they are."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -89,6 +90,9 @@ def broken_checkpoint_loads(ckpt):
     attempt("extra", truncate("extra.pt"))
     attempt("frozen", truncate("frozen.safetensors"))
     attempt("meta", lambda: open(os.path.join(tag, "meta.json"), "wb").write(NOT_UTF8))
+    attempt("meta-and-seal", lambda: (open(os.path.join(tag, "meta.json"), "wb").write(NOT_UTF8),
+                                      open(os.path.join(tag, "meta.json.sha256"), "w").write(
+                                          hashlib.sha256(NOT_UTF8).hexdigest() + "  meta.json\n")))
     out["after"] = engine.load_checkpoint(ckpt)[0]  # restored: loads again
     engine.destroy()
     return out
@@ -102,7 +106,8 @@ def test_a_broken_checkpoint_file_is_named_on_every_rank(tmp_path):
         assert "shard-00002.safetensors" in r["missing-shard"], r["missing-shard"]
         assert "extra.pt is corrupted" in r["extra"] and "central directory" not in r["extra"].split(":")[0]
         assert "frozen.safetensors is corrupted" in r["frozen"]
-        assert "meta.json is unreadable" in r["meta"]
+        assert "meta.json is corrupted or was changed after its save" in r["meta"]  # its seal, before it is parsed
+        assert "meta.json is unreadable" in r["meta-and-seal"]
         assert all(v.startswith("LinsCheckpointError") for k, v in r.items() if k != "after")
         assert r["after"].endswith("global_step1")
     assert sorted(os.listdir(ckpt)) == ["global_step1", "latest", "zero_to_fp32.py"]
@@ -172,4 +177,5 @@ def test_a_checkpoint_that_would_run_code_is_refused_unless_trusted(tmp_path):
         assert r["refused"].startswith("LinsCheckpointError: load_checkpoint: ") and \
             "holds test_bad_files.write_marker" in r["refused"] and '"checkpoint_pickle": true' in r["refused"], r
         assert not r["marker_after_refusal"]  # nothing ran
-        assert r["trusted"] == {"note": "kept", "trap": "unpickled"}  # the opt-in reads it as torch.save wrote it
+        trusted = {k: r["trusted"][k] for k in ("note", "trap")}
+        assert trusted == {"note": "kept", "trap": "unpickled"}  # the opt-in reads it as torch.save wrote it

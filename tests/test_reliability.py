@@ -14,6 +14,8 @@ import torch
 import lins_ds  # noqa: F401
 from helpers import ckpt_steps as steps, make_ckpt_engine as make_engine, run
 from lins_ds import comm
+from lins_ds.checkpoint.formats import file_digest, write_meta
+from lins_ds.checkpoint.layout_free import FORMAT
 
 SHARDED = {"p": [2, 1], "g": [2, 1], "os": [2, 1]}
 REPLICATED = {"p": [1, 1], "g": [1, 1], "os": [1, 1]}
@@ -86,7 +88,7 @@ def failed_load(ckpt, damage):
         tag = os.path.join(ckpt, "global_step1")
         {"shard": lambda: _flip_byte(os.path.join(tag, "shard-00001.safetensors")),
          "extra": lambda: open(os.path.join(tag, "extra.pt"), "r+b").truncate(100),
-         "meta": lambda: json.dump({"format": "lins_ds.checkpoint/1", "params": []}, open(os.path.join(tag, "meta.json"), "w")),
+         "meta": lambda: write_meta(tag, {"format": FORMAT, "params": []}),
          "scheduler": lambda: _rewrite_extra(tag, {"lr_scheduler": {"not": "this scheduler's"}, "loss_scaler": None,
                                                    "client_state": {}}),
          }[damage]()
@@ -104,8 +106,8 @@ def _rewrite_extra(tag: str, extra: dict) -> None:
     """extra.pt replaced, its digest dropped (as a save before digests would have it): the content is the test."""
     torch.save(extra, os.path.join(tag, "extra.pt"))
     meta = json.load(open(os.path.join(tag, "meta.json")))
-    meta["digests"].pop("extra.pt")
-    json.dump(meta, open(os.path.join(tag, "meta.json"), "w"))
+    meta["digests"]["extra.pt"] = file_digest(os.path.join(tag, "extra.pt"))  # recorded, sealed: the content is the test
+    write_meta(tag, meta)
 
 
 @pytest.mark.parametrize("damage,named", [("shard", "shard-00001.safetensors is corrupted"),
@@ -267,8 +269,8 @@ def crafted_loads(root, marker):
                    os.path.join(root, "lins", "global_step1", "extra.pt"))
         meta_path = os.path.join(root, "lins", "global_step1", "meta.json")
         meta = json.load(open(meta_path))
-        meta["digests"].pop("extra.pt")  # as if written by a lins_ds before digests: the file itself is the test
-        json.dump(meta, open(meta_path, "w"))
+        meta["digests"]["extra.pt"] = file_digest(os.path.join(root, "lins", "global_step1", "extra.pt"))
+        write_meta(os.path.dirname(meta_path), meta)  # recorded and sealed: the file itself is the test
     torch.distributed.barrier()
     cases = comm.broadcast_object(cases)
     out = {name: _err(lambda d=d, t=t: engine.load_checkpoint(d, tag=t)) for name, (d, t) in cases.items()}

@@ -18,10 +18,10 @@ from .load import ShardReader, _read, read_meta
 def full_state_dict(path: str, dtype: torch.dtype, exclude_frozen: bool = False) -> dict:
     """Every parameter (aliases of tied weights once) and persistent buffer, whole, in ``dtype``; frozen parameters
     left out with ``exclude_frozen``, or where the save left them out (``exclude_frozen_parameters``)."""
-    meta = read_meta(path)
+    meta = read_meta(path, "consolidate")
     digests = digests_of(meta)
     reader = ShardReader(path, meta["index"], digests, "consolidate")
-    frozen = _read(lambda p: (verify_digest(p, digests, "consolidate"), load_file(p))[1],
+    frozen = _read(lambda p: (verify_digest(p, digests, "consolidate", "frozen.safetensors"), load_file(p))[1],
                    os.path.join(path, "frozen.safetensors"))
     exclude_frozen = exclude_frozen or meta.get("frozen_excluded", False)
     out = {}
@@ -92,14 +92,19 @@ def consolidate(ckpt_dir: str, out_dir: str, tag=None, dtype: str = "fp32", max_
     path = checkpoint_path(ckpt_dir, tag)
     if os.path.abspath(out_dir) == os.path.abspath(path):
         raise LinsCheckpointError("consolidate: OUT_DIR must differ from the checkpoint directory")
+    config, cfg = os.path.join(path, "config.json"), None
+    if os.path.lexists(config):  # read_meta has it listed with its digest: checked before anything is written
+        digests = digests_of(read_meta(path, "consolidate"))
+        cfg = _read(lambda p: (verify_digest(p, digests, "consolidate", "config.json"), _json(p))[1], config)
     state = full_state_dict(path, dtypes.TORCH[dtype])
     write_safetensors(state, out_dir, max_shard_bytes)
-    config = os.path.join(path, "config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            cfg = json.load(f)
+    if cfg is not None:
         cfg["torch_dtype"] = dtypes.HF_NAMES[dtype]
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
     return out_dir
 
+
+def _json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -31,7 +31,7 @@ def _parameters(path: str, meta: dict, reader: ShardReader):
 
 def to_universal(ckpt_dir: str, out_dir: str, tag=None, trust_pickle: bool = False) -> str:
     path = checkpoint_path(ckpt_dir, tag)
-    meta = read_meta(path)
+    meta = read_meta(path, "convert")
     unknown = set(meta["elementwise_state"]) - {"exp_avg", "exp_avg_sq"}
     if unknown:
         raise LinsCheckpointError(f"convert: {path} holds {meta['optimizer']} state {sorted(unknown)}; DeepSpeed's "
@@ -39,10 +39,13 @@ def to_universal(ckpt_dir: str, out_dir: str, tag=None, trust_pickle: bool = Fal
     digests = digests_of(meta)
     reader = ShardReader(path, meta["index"], digests, "convert")
     step = reader.scalar(0, "step")
-    extra = _read(lambda p: (verify_digest(p, digests, "convert"), load_pickle(p, trust_pickle))[1],
+    extra = _read(lambda p: (verify_digest(p, digests, "convert", "extra.pt"), load_pickle(p, trust_pickle))[1],
                   os.path.join(path, "extra.pt"))
+    ours = extra.get("deepspeed") or {}  # the run's DeepSpeed config and parallel degrees, as DeepSpeed saves them
+    client_state = {**{k: ours[k] for k in ("ds_config", "checkpoint_parallel_dimensions") if k in ours},
+                    **(extra["client_state"] or {})}
     counters = {k: meta[k] for k in ("global_steps", "global_samples", "skipped_steps")}
     os.makedirs(out_dir, exist_ok=True)
     return universal.write(_parameters(path, meta, reader), float(step) if step is not None else 0.0,
-                           meta["param_groups"], counters, extra["lr_scheduler"], extra["client_state"] or {},
+                           meta["param_groups"], counters, extra["lr_scheduler"], client_state,
                            meta["world_size"], out_dir, os.path.basename(os.path.normpath(path)))

@@ -12,7 +12,8 @@ from typing import Optional
 
 from deepspeed.utils import logger
 
-from .layout_free import INCOMPLETE, LATEST, META, OLD, SAVING, LinsCheckpointError, checked_tag  # noqa: F401
+from .layout_free import (DIGESTS, FORMAT, INCOMPLETE, LATEST, META, META_SEAL, OLD, SAVING,  # noqa: F401
+                          LinsCheckpointError, checked_tag, inside)
 
 LINS, DEEPSPEED, UNIVERSAL = "lins", "deepspeed", "deepspeed-universal"
 LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer to a universal checkpoint
@@ -56,15 +57,60 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def verify_digest(path: str, digests: Optional[dict], what: str = "load_checkpoint") -> None:
-    """``path``'s bytes against the digest the save recorded (nothing to check for a checkpoint written before
-    digests, or a file it does not list); LinsCheckpointError naming the file on a mismatch."""
-    name = os.path.basename(path)
-    if not digests or name not in digests:
-        return
-    if file_digest(path) != digests[name]:
+def verify_digest(path: str, digests: Optional[dict], what: str = "load_checkpoint",
+                  entry: Optional[str] = None) -> None:
+    """``path``'s bytes against the digest its save recorded in meta.json under ``entry`` (its name there; the file
+    name when not given). LinsCheckpointError naming the file on a mismatch, and where meta.json lists no digest for
+    it: every file a reader opens is checked."""
+    entry = os.path.basename(path) if entry is None else entry
+    if not digests or entry not in digests:
+        raise LinsCheckpointError(f"{what}: {path} has no digest in meta.json (its {DIGESTS!r} do not list {entry!r}); "
+                                  "every file a checkpoint's reader opens must be checked against the digest its save "
+                                  "recorded, so it is not read")
+    if file_digest(path) != digests[entry]:
         raise LinsCheckpointError(f"{what}: {path} is corrupted: its SHA-256 differs from the one its save recorded "
                                   "in meta.json (a changed byte, a partial copy?); load another checkpoint")
+
+
+def seal_text(meta_bytes: bytes) -> str:
+    """meta.json.sha256's content for meta.json's bytes: as ``sha256sum meta.json`` prints it."""
+    import hashlib
+
+    return f"{hashlib.sha256(meta_bytes).hexdigest()}  {META}\n"
+
+
+def check_seal(path: str, meta_bytes: bytes, what: str = "load_checkpoint") -> bool:
+    """meta.json's bytes (``meta_bytes``, read from tag directory ``path``) against meta.json.sha256: True when they
+    match, False when there is no meta.json.sha256, LinsCheckpointError naming the file when they differ."""
+    seal = os.path.join(path, META_SEAL)
+    if not os.path.lexists(seal):
+        return False
+    inside(path, META_SEAL, what)
+    try:
+        with open(seal, encoding="utf-8") as f:
+            recorded = f.read().split()
+    except (OSError, UnicodeDecodeError) as e:
+        raise LinsCheckpointError(f"{what}: {seal} is unreadable ({e})") from None
+    if not recorded or recorded[0] != seal_text(meta_bytes).split()[0]:
+        raise LinsCheckpointError(f"{what}: {os.path.join(path, META)} is corrupted or was changed after its save: its "
+                                  f"SHA-256 differs from the one in {seal} (an edit, a changed byte, a partial copy?); "
+                                  "load another checkpoint")
+    return True
+
+
+def write_meta(path: str, meta: dict) -> None:
+    """meta.json and meta.json.sha256 into tag directory ``path``, each through a temporary file, on disk; the seal
+    first, meta.json last (meta.json marks a whole directory)."""
+    import json
+
+    data = json.dumps(meta, indent=1).encode("utf-8")
+    for name, content in ((META_SEAL, seal_text(data).encode("utf-8")), (META, data)):
+        tmp = os.path.join(path, name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, name))
 
 
 def deepspeed_globals() -> list:
@@ -154,7 +200,8 @@ def _whole(path: str) -> bool:
         with open(os.path.join(path, META), encoding="utf-8") as f:
             meta = json.load(f)
         names = list(meta["index"]) + ["frozen.safetensors", "extra.pt"]
-    except (OSError, ValueError, KeyError, TypeError):
+        names += [META_SEAL] if meta.get("format") == FORMAT else []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
     return all(os.path.isfile(os.path.join(path, n)) for n in names)
 

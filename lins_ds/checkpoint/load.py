@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 
 from .. import comm
 from ..runtime.step.unit import param_shape
-from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, load_pickle, locate, verify_digest
-from .layout_free import DIGESTS, FORMAT, META, digests_of, overlaps, range_key
+from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, check_seal, load_pickle, locate, verify_digest
+from .layout_free import (DIGEST_SCHEME, DIGESTS, FORMAT, FORMAT_1, META, META_SEAL, digests_of, inside, overlaps,
+                          range_key)
 from .universal import UniversalReader, convert
 
 ADAM_FAMILY = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}  # what a DeepSpeed universal checkpoint's state fits
@@ -46,16 +47,19 @@ def agreed(fn):
 # --- the two kinds of source --------------------------------------------------------------------------------
 class ShardReader:
     """Element ranges of a Lins checkpoint's shard files, each checked against its recorded SHA-256 when first
-    opened (``digests``: meta.json's; None for a checkpoint written before digests)."""
+    opened (``digests``: meta.json's, read from ``path`` when not given) and read only inside ``path``."""
 
     def __init__(self, path: str, index: dict, digests: dict = None, what: str = "load_checkpoint"):
+        if digests is None:  # every file read is checked: the digests of the checkpoint's own meta.json
+            digests = digests_of(read_meta(path, what))
         self.path, self.index, self._files, self.digests, self.what = path, index, {}, digests, what
 
     def _open(self, fname: str):
         if fname not in self._files:
-            verify_digest(os.path.join(self.path, fname), self.digests, self.what)
+            real = inside(self.path, fname, self.what)
+            verify_digest(os.path.join(self.path, fname), self.digests, self.what, entry=fname)
             try:
-                self._files[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
+                self._files[fname] = safe_open(real, framework="pt")
             except (SafetensorError, OSError) as e:
                 raise LinsCheckpointError(f"load_checkpoint: {self.path}/{fname} is unreadable "
                                           f"(truncated or corrupted?): {e}") from None
@@ -122,15 +126,18 @@ class LinsCheckpoint:
                                       "pass load_optimizer_states=False")
 
     def rest(self, trust_pickle: bool = False) -> dict:
-        """Frozen parameters and buffers, LR scheduler, loss scaler, counters, client_state."""
+        """Frozen parameters and buffers, LR scheduler, loss scaler, counters, and the checkpoint's state as DeepSpeed
+        keeps it (its own keys, client_state's over them) for ``client_state``."""
         digests = digests_of(self.meta)
-        frozen = _read(lambda p: (verify_digest(p, digests), load_file(p))[1],
+        frozen = _read(lambda p: (verify_digest(p, digests, entry="frozen.safetensors"), load_file(p))[1],
                        os.path.join(self.path, "frozen.safetensors"))
-        extra = _read(lambda p: (verify_digest(p, digests), load_pickle(p, trust_pickle))[1],
+        extra = _read(lambda p: (verify_digest(p, digests, entry="extra.pt"), load_pickle(p, trust_pickle))[1],
                       os.path.join(self.path, "extra.pt"))
         counters = {k: self.meta[k] for k in ("global_steps", "global_samples", "skipped_steps")}
+        state = {"module": None, "optimizer": None, **(extra.get("deepspeed") or {}),
+                 "lr_scheduler": extra["lr_scheduler"], **counters, **(extra["client_state"] or {})}
         return {"tensors": frozen, "lr_scheduler": extra["lr_scheduler"], "loss_scaler": extra["loss_scaler"],
-                "client_state": extra["client_state"], "counters": counters}
+                "state": state, "counters": counters}
 
 
 class UniversalCheckpoint:
@@ -165,7 +172,7 @@ class UniversalCheckpoint:
         """DeepSpeed's own files: its data (``checkpoint_pickle``: everything, as DeepSpeed reads them)."""
         ms = self.reader.model_states
         return {"tensors": self.reader.buffers(), "lr_scheduler": ms.get("lr_scheduler"), "loss_scaler": None,
-                "client_state": self.reader.client_state(), "counters": self.reader.counters()}
+                "state": dict(ms), "counters": self.reader.counters()}
 
 
 def _read(read, path: str):
@@ -182,24 +189,64 @@ META_FIELDS = {"params": dict, "index": dict, "param_groups": list, "elementwise
                "optimizer": str, "global_steps": int, "global_samples": int, "skipped_steps": int}
 
 
-def read_meta(path: str) -> dict:
+def read_meta(path: str, what: str = "load_checkpoint") -> dict:
+    """A Lins tag directory's meta.json, trusted only once it has passed, in this order: its SHA-256 matches
+    meta.json.sha256 (checked before it is parsed); its format is this lins_ds' (format 1 is refused with the command
+    that upgrades it); its fields have their types; every file it names resolves inside ``path``; every file a
+    reader opens (each shard it indexes, frozen.safetensors, extra.pt) has its digest listed (config.json, read by
+    consolidate only, is checked there). Else LinsCheckpointError naming the file, the entry and the rule."""
+    meta_path = os.path.join(path, META)
     try:
-        with open(os.path.join(path, META), encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise LinsCheckpointError(f"load_checkpoint: {path}/{META} is unreadable ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise LinsCheckpointError(f"load_checkpoint: {path} is not a lins_ds checkpoint "
-                                  f"(format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
+        inside(path, META, what)
+        with open(meta_path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise LinsCheckpointError(f"{what}: {meta_path} is unreadable ({e})") from None
+    sealed = check_seal(path, data, what)
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except ValueError as e:
+        raise LinsCheckpointError(f"{what}: {meta_path} is unreadable ({e})") from None
+    version = meta.get("format") if isinstance(meta, dict) else None
+    if version == FORMAT_1:
+        raise LinsCheckpointError(
+            f"{what}: {path} was saved by an earlier lins_ds (format {FORMAT_1!r}: meta.json unsealed, files it "
+            f"names not all checked); this lins_ds reads {FORMAT!r}. Check and seal it, keeping every file: "
+            f"python -m lins_ds.checkpoint.upgrade {path}")
+    if version != FORMAT:
+        raise LinsCheckpointError(f"{what}: {path} is not a lins_ds checkpoint (format {version!r}, expected "
+                                  f"{FORMAT!r})")
+    if not sealed:
+        raise LinsCheckpointError(f"{what}: {os.path.join(path, META_SEAL)} is missing: the save writes meta.json's "
+                                  "SHA-256 there and meta.json is not trusted without it (a copy that left it out?)")
+    return check_meta(path, meta, what)
+
+
+def check_meta(path: str, meta: dict, what: str = "load_checkpoint") -> dict:
+    """``meta`` (tag directory ``path``'s meta.json, parsed) well-formed, its files inside ``path`` and all of those
+    read covered by its digests; see ``read_meta``."""
+    meta_path = os.path.join(path, META)
     for key, kind in META_FIELDS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            raise LinsCheckpointError(f"load_checkpoint: {path}/{META} is malformed: {key!r} is "
+            raise LinsCheckpointError(f"{what}: {meta_path} is malformed: {key!r} is "
                                       f"{type(meta.get(key)).__name__}, expected {kind.__name__}")
     bad = [n for n, v in meta["params"].items()
            if not (isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("trainable"), bool))]
-    if bad or not isinstance(meta.get(DIGESTS, {}), dict):
-        raise LinsCheckpointError(f"load_checkpoint: {path}/{META} is malformed: "
-                                  + (f"params entry {bad[0]!r}" if bad else f"{DIGESTS!r}"))
+    if bad or not isinstance(meta.get(DIGESTS), dict):
+        raise LinsCheckpointError(f"{what}: {meta_path} is malformed: "
+                                  + (f"params entry {bad[0]!r}" if bad else f"{DIGESTS!r} is not an object"))
+    if meta.get("digest_scheme") != DIGEST_SCHEME:
+        raise LinsCheckpointError(f"{what}: {meta_path} records digests of scheme {meta.get('digest_scheme')!r}; this "
+                                  f"lins_ds checks {DIGEST_SCHEME!r}, and reads no file unchecked")
+    for entry in list(meta["index"]) + list(meta[DIGESTS]):
+        inside(path, entry, what)
+    for entry in list(meta["index"]) + ["frozen.safetensors", "extra.pt"]:  # what every reader opens
+        inside(path, entry, what)
+        if entry not in meta[DIGESTS]:
+            raise LinsCheckpointError(
+                f"{what}: {meta_path} names {entry!r} ({os.path.join(path, entry)}) without its digest in "
+                f"{DIGESTS!r}; every file a checkpoint's reader opens must be checked against the digest its save "
+                "recorded, so the checkpoint is not read")
     return meta
 
 
@@ -332,7 +379,21 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
             vars(opt.loss_scaler).update(rest["loss_scaler"])
         for k, v in rest["counters"].items():
             setattr(engine, k, v)
-    return found.path, rest["client_state"]
+    return found.path, returned_client_state(rest["state"], load_optimizer_states, load_lr_scheduler_states,
+                                             load_module_only)
+
+
+def returned_client_state(state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                          load_module_only: bool) -> dict:
+    """What DeepSpeed's ``load_checkpoint`` returns as ``client_state`` from a checkpoint's ``state`` (its
+    ``_load_checkpoint``, ZeRO-1): everything but what the load itself restored (the module, and the counters,
+    world sizes, data sampler and random-LTD unless ``load_module_only``; the LR scheduler and the optimizer where
+    loaded)."""
+    restored = ["module"] if load_module_only else ["module", "skipped_steps", "global_steps", "dp_world_size",
+                                                    "mp_world_size", "data_sampler", "random_ltd"]
+    restored += ["lr_scheduler"] if load_lr_scheduler_states else []
+    restored += ["optimizer"] if load_optimizer_states else []
+    return {k: v for k, v in state.items() if k not in restored}
 
 
 def _restore_group_hyperparameters(groups: list, saved: list, strict: bool = True) -> None:

@@ -12,8 +12,8 @@ import torch
 from .. import comm
 from ..runtime.step.unit import param_shape
 from .zero_to_fp32 import write_script
-from .formats import LinsCheckpointError, file_digest, save_file
-from .layout_free import DIGEST_SCHEME, DIGESTS, FORMAT, INCOMPLETE, LATEST, META, OLD, SAVING, checked_tag, range_key
+from .formats import LinsCheckpointError, file_digest, save_file, write_meta
+from .layout_free import DIGEST_SCHEME, DIGESTS, FORMAT, INCOMPLETE, LATEST, OLD, SAVING, checked_tag, range_key
 
 __all__ = ["LinsCheckpointError", "save"]
 
@@ -57,17 +57,29 @@ def frozen_and_buffers(module: torch.nn.Module, exclude_frozen: bool = False) ->
     return out
 
 
+def _buffer_names(module: torch.nn.Module) -> list:
+    """Persistent buffers' names, as DeepSpeed's ``_get_buffer_names`` lists them."""
+    return [f"{mod_name}.{b_name}" if mod_name else b_name for mod_name, mod in module.named_modules()
+            for b_name, buf in mod._buffers.items()
+            if buf is not None and b_name not in mod._non_persistent_buffers_set]
+
+
+def _aliases(module: torch.nn.Module) -> dict:
+    """Every parameter name (tied ones included) -> the name its tensor is first known by."""
+    first = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    return {name: first[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
+
+
 def _meta(engine, index: dict, ew_keys, scalar_keys) -> dict:
     opt, module = engine.optimizer, engine.module
     group_of = engine.lins.param_groups_by_name()
-    aliases = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases[name] = next(n for n, q in module.named_parameters() if q is p)
     return {
         "format": FORMAT,
         "params": {n: {"shape": list(param_shape(p)), "dtype": str(p.dtype).split(".")[-1], "trainable": p.requires_grad,
                        "group": group_of.get(n)} for n, p in module.named_parameters()},
-        "aliases": aliases,
+        "aliases": _aliases(module),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "optimizer": type(opt.optimizer).__name__,
         "elementwise_state": sorted(ew_keys), "scalar_state": sorted(scalar_keys),
@@ -75,6 +87,38 @@ def _meta(engine, index: dict, ew_keys, scalar_keys) -> dict:
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps, "index": index,
     }
+
+
+def deepspeed_keys(engine) -> dict:
+    """The keys DeepSpeed's ``_save_checkpoint`` puts in a ZeRO-1 checkpoint's state besides the module, the optimizer
+    and the counters, with their meaning there (``load_checkpoint`` returns them in ``client_state``): the persistent
+    buffers' names, each optimizer param group's {name: shape} of its trainable parameters, tied parameters {name not
+    stored: name holding the data}, the data-parallel and model-parallel world sizes, the pipeline and tensor degrees,
+    the DeepSpeed config and version. What ZeRO-1 leaves None (frozen parameter shapes and fragments, a data sampler,
+    random-LTD) is None here too. ds_config is kept as JSON holds it (torch.load(weights_only=True) reads it back)."""
+    from collections import OrderedDict
+
+    import deepspeed
+    from deepspeed.checkpoint import constants
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_world_size
+
+    module, group_of = engine.module, engine.lins.param_groups_by_name()
+    shapes = [OrderedDict((n, torch.Size(param_shape(p))) for n, p in module.named_parameters()
+                          if p.requires_grad and group_of.get(n) == gi)
+              for gi in range(len(engine.optimizer.param_groups))]
+    mpu = getattr(engine, "mpu", None)
+    keys = {"buffer_names": _buffer_names(module),
+            "param_shapes": shapes, "frozen_param_shapes": None, "frozen_param_fragments": None,
+            "shared_params": {a: n for a, n in _aliases(module).items() if a != n},
+            "data_sampler": None, "random_ltd": None,
+            "dp_world_size": int(getattr(engine, "seq_dp_world_size", None) or engine.lins.topo.world_size),
+            "mp_world_size": int(getattr(engine, "mp_world_size", 1) or 1),
+            "ds_config": _json_safe(getattr(engine, "config", None)), "ds_version": deepspeed.__version__}
+    if hasattr(constants, "CHECKPOINT_PARALLEL_DIMS"):  # where this DeepSpeed saves the degrees
+        keys[constants.CHECKPOINT_PARALLEL_DIMS] = {
+            constants.CHECKPOINT_PP_DEGREE: bwc_pipeline_parallel_world_size(mpu),
+            constants.CHECKPOINT_TP_DEGREE: bwc_tensor_model_parallel_world_size(mpu)}
+    return keys
 
 
 def _json_safe(obj):
@@ -100,7 +144,8 @@ def _write_shard(engine, tmp: str):
 
 
 def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_frozen: bool = False) -> None:
-    """Frozen parameters and buffers, extra.pt, config.json, and meta.json last (it marks a whole directory)."""
+    """Frozen parameters and buffers, extra.pt, config.json, and meta.json (with meta.json.sha256) last (it marks a
+    whole directory)."""
     entries = [e for e in entries if e is not None]
     index = {fname: idx for fname, idx, _, _, _ in entries}
     digests = {fname: digest for fname, _, _, _, digest in entries}
@@ -111,7 +156,8 @@ def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_fr
     scaler = engine.optimizer.loss_scaler
     torch.save({"lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 "loss_scaler": dict(vars(scaler)) if scaler is not None else None,
-                "client_state": client_state or {}}, os.path.join(tmp, "extra.pt"))
+                "deepspeed": deepspeed_keys(engine), "client_state": client_state or {}},
+               os.path.join(tmp, "extra.pt"))
     hf = getattr(engine.module, "config", None)
     if hf is not None and hasattr(hf, "to_json_string"):
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -119,11 +165,8 @@ def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_fr
     for fname in ("frozen.safetensors", "extra.pt", "config.json"):
         if os.path.exists(os.path.join(tmp, fname)):
             digests[fname] = file_digest(os.path.join(tmp, fname))
-    with open(os.path.join(tmp, META), "w") as f:
-        json.dump(_json_safe({**_meta(engine, index, ew, sc), "frozen_excluded": exclude_frozen, DIGESTS: digests,
-                              "digest_scheme": DIGEST_SCHEME}), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    write_meta(tmp, _json_safe({**_meta(engine, index, ew, sc), "frozen_excluded": exclude_frozen, DIGESTS: digests,
+                                "digest_scheme": DIGEST_SCHEME}))  # and meta.json.sha256, its seal
 
 
 def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
@@ -188,11 +231,14 @@ def _sync_dir(path: str) -> None:
 
 
 def _agreed(fn):
-    """Every rank's outcome of a write step, combined: all raise the first error (disk full, permissions)."""
+    """Every rank's outcome of a write step, combined: all raise the first error (disk full, permissions, any
+    other exception one rank met alone)."""
     try:
         result, error = fn(), None
     except (OSError, LinsCheckpointError) as e:
         result, error = None, f"save_checkpoint: {e}"
+    except Exception as e:  # noqa: BLE001 - any failure: agreed, or the other ranks would wait here for ever
+        result, error = None, f"save_checkpoint: {type(e).__name__}: {e}"
     error = comm.agree(error)
     if error is not None:
         raise LinsCheckpointError(error + " (the previous checkpoint and `latest` are untouched)")

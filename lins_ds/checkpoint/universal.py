@@ -24,10 +24,6 @@ from .formats import LATEST_UNIVERSAL, LinsCheckpointError, load_deepspeed
 
 ADAM_STATE = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # Lins key -> file name
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-ENGINE_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-               "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-               "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-               "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info")
 
 
 def _load(path: str, trust: bool = False):
@@ -146,9 +142,6 @@ class UniversalReader:
         ms = self.model_states
         return {"global_steps": int(ms.get("global_steps", 0)), "skipped_steps": int(ms.get("skipped_steps", 0)),
                 "global_samples": int(ms.get("global_samples", 0))}
-
-    def client_state(self) -> dict:
-        return {k: v for k, v in self.model_states.items() if k not in ENGINE_KEYS}
 
     def buffers(self) -> dict:
         """Persistent buffers of the model, where the checkpoint kept them (DeepSpeed ZeRO-1/2)."""

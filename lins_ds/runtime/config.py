@@ -101,7 +101,8 @@ class TuneSpec:
     """``lins.tune``: how many of the solver's candidates to time; optimizer steps per candidate, at least ``steps``
     (the first ``warmup_steps`` not timed: the first step after a move allocates, the second pays the first host
     update under offload) and more until the median step time's 95 % interval is within +-``precision`` of it,
-    ``max_steps`` at most; whether the decision is cached for the next launch."""
+    ``max_steps`` at most (each candidate: the tuning takes up to candidates x max_steps optimizer steps, which the
+    start-up summary states); whether the decision is cached for the next launch."""
 
     candidates: int = 3
     steps: int = 3
@@ -212,8 +213,8 @@ class LinsConfig:
                          "training steps and keep the fastest; see `tune`), or fixed factors `{\"p\": [intra, inter], \"g\": [...], \"os\": "
                          "[...]}`; `\"all\"` is the whole dimension (`\"os\": [\"all\", \"all\"]` is ZeRO-1's OS)")
     tune: TuneSpec = _rule(TuneSpec(), _tune, "`\"plan\": \"tune\"`: candidates; steps each "
-                           "(`warmup_steps` untimed), more till the median's 95 % interval is +-`precision`; "
-                           "cache the pick",
+                           "(`warmup_steps` untimed), more till the median's 95 % interval is +-`precision`, "
+                           "`max_steps` each; cache the pick",
                            "`{\"candidates\": 3, \"steps\": 3, \"precision\": 0.03, \"max_steps\": 12, "
                            "\"warmup_steps\": 2, \"cache\": true}`")
     gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int),

@@ -248,8 +248,9 @@ def solved(context: SolveContext, inferred: bool) -> tuple:
         sol = context.solve()
     except NoFeasiblePlan as e:
         raise NoPlanFits(f"{e}; {seq_note(context.train, inferred)}") from None
-    except PlanError as e:
-        raise LinsConfigError(str(e)) from None
+    except PlanError as e:  # the training spec's keys are the lins block's
+        msg = str(e)
+        raise LinsConfigError("lins." + msg if msg.startswith("activation_checkpointing:") else msg) from None
     if sol.plan.offload_params and context.offload.params == "needed":  # the solver needed them on the host: the
         context = dataclasses.replace(context, offload=widened(context.offload))  # tuner's alternatives too
     summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}" + _offload_note(context, sol.plan)
