@@ -9,10 +9,14 @@ master slices, so that such code — DeepSpeed's helpers, transformers, TRL, PEF
 - every trainable parameter carries the fragment mapping. Full values are assembled by one world AllReduce to which
   the first OS replica of each chunk contributes (exact, and a collective: every rank calls it, as under ZeRO); the
   gradient is the window's, averaged over the ranks, between the backward that ends a window and ``step()``;
-- a parameter of a unit that releases its full buffer (P sharded, or on the host) is, outside forward, an empty tensor
-  with ZeRO-3's attributes (``ds_shape``, ``ds_numel``, ...): ``GatheredParameters`` gathers its unit on every rank and,
-  with ``modifier_rank``, writes what that rank changed back into the P chunk and the fp32 master, so that the change
-  outlives the next step;
+- every trainable parameter carries ZeRO-3's attributes (``ds_id``, ``ds_shape``, ``ds_numel``, ``all_gather``,
+  ``partition``), on every plan: one of a unit that releases its full buffer (P sharded, or on the host) is, outside
+  forward, an empty tensor; ``GatheredParameters`` gathers (or, where the unit keeps its parameters, waits for) the
+  units of the parameters it is given, and only those — their last update and P-sync done — and, with
+  ``modifier_rank``, after DeepSpeed's broadcast from that rank writes the values back into the P chunk and the fp32
+  master, so that the change outlives the next step. A script means the same whichever plan the solver picks;
+- ``zero_grad`` of the optimizer, of the engine or of a module (or a submodule) drops the gradients accumulated so far
+  in the window (the submodule's only), as under ZeRO-1 (no collective);
 - a module's ``parameters()``, ``named_parameters()`` and ``state_dict()`` called after ``step()`` see the updated
   values: the engine's modules are registered here, and those methods (patched once, process-wide) first make the last
   step's updates visible (``LinsRuntime.before_user_read``; this rank alone, no collective). Inside the engine's own
@@ -34,7 +38,6 @@ from torch import nn
 # module -> a weak reference to its LinsRuntime (the runtime holds the module: a strong one would keep both alive)
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _metadata_reads = [0]  # > 0 while code that reads only shapes runs (num_parameters): no wait
-ZERO3_ATTRS = ("ds_id", "ds_status", "ds_process_group", "all_gather", "partition", "_z3_optimizer")
 
 
 class Mapping:
@@ -67,18 +70,15 @@ def attach(engine) -> None:
                 for name, fn in (("get_full_hp_param", _get_full_hp_param), ("set_full_hp_param", _set_full_hp_param),
                                  ("get_full_hp_grad", _get_full_hp_grad), ("set_full_hp_grad", _set_full_hp_grad)):
                     setattr(p, name, types.MethodType(fn, p))
-            if unit.releases:
-                p.ds_id, p.ds_shape, p.ds_numel = ds_id, slot.shape, slot.numel
-                unit.status = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE)
-                p.ds_status = unit.status[p.numel() == 0]
-                p.ds_process_group = dist.get_world_group()
-                p.all_gather, p.partition = types.MethodType(_all_gather, p), types.MethodType(_partition, p)
-                p._z3_optimizer = z3
-            else:
-                unit.status = None
-                for name in ZERO3_ATTRS + ("ds_shape", "ds_numel"):
-                    if name in p.__dict__:
-                        delattr(p, name)
+            # ZeRO-3's API on every plan, not only where the unit releases its parameters: GatheredParameters then
+            # means one thing whatever the solver picked (reads wait for the unit's update, a modifier_rank's write
+            # is broadcast and kept in the masters); a unit that keeps its parameters is always available
+            p.ds_id, p.ds_shape, p.ds_numel = ds_id, slot.shape, slot.numel
+            unit.status = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE) if unit.releases else None
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE if unit.releases and p.numel() == 0 else ZeroParamStatus.AVAILABLE
+            p.ds_process_group = dist.get_world_group()
+            p.all_gather, p.partition = types.MethodType(_all_gather, p), types.MethodType(_partition, p)
+            p._z3_optimizer = z3
             ds_id += 1
 
 
@@ -207,6 +207,20 @@ class Zero3Optimizer:
     def set_fp32_grad_for_param(self, value, param):
         set_full_grad(self._mapping.engine, param, value)
 
+    def update_fp32_grad_for_param_vectorized(self, update_func, params):
+        """``safe_update_full_grad_vectorized``: each full gradient through ``update_func``, as ZeRO-1/2 do it."""
+        engine = self._mapping.engine
+        for p in params:
+            set_full_grad(engine, p, update_func(full_grad(engine, p), p))
+
+    def _local(self, *args, **kwargs):
+        raise NotImplementedError(
+            "lins: DeepSpeed's safe_get_local_* / safe_set_local_* read ZeRO-3's own partition of a parameter; a Lins "
+            "plan partitions P, G and OS by factors of its own, so there is no such partition to hand out. Use "
+            "safe_get_full_* / safe_set_full_* (every rank calls them), which mean the same on every plan")
+
+    get_local_fp32_param = set_local_hp_param = get_local_fp32_grad_for_param = set_local_grad_for_param = _local
+
 
 def _all_gather(self, param_list=None, async_op=False, hierarchy=None):
     """ZeRO-3's ``param.all_gather``: the units of ``param_list`` gathered and held (every rank, the same list)."""
@@ -233,12 +247,14 @@ def _partition(self, param_list=None, hierarchy=None, has_been_updated=False, fr
 # --- reads through a module ------------------------------------------------------------------------------------
 def _install_read_hooks() -> None:
     """Once per process: ``named_parameters`` (which ``parameters`` calls) and ``state_dict`` of a registered module
-    make the last step's updates visible before reading; one dictionary lookup for any other module. transformers'
+    make the last step's updates visible before reading, and its ``zero_grad`` drops what Lins accumulated; one dictionary lookup for any other module. transformers'
     ``num_parameters`` (the Trainer calls it after every micro-step, for its FLOP count) reads only shapes: it waits
     for nothing, and counts a partitioned parameter by its ``ds_numel``."""
     if not getattr(nn.Module.named_parameters, "_lins_reads", False):
         for name in ("named_parameters", "state_dict"):
             setattr(nn.Module, name, _before_read(getattr(nn.Module, name)))
+    if not getattr(nn.Module.zero_grad, "_lins_drops", False):
+        nn.Module.zero_grad = _dropping(nn.Module.zero_grad)
     hf = sys.modules.get("transformers.modeling_utils")
     if hf is not None and not getattr(hf.PreTrainedModel.num_parameters, "_lins_reads", False):
         hf.PreTrainedModel.num_parameters = _shapes_only(hf.PreTrainedModel.num_parameters)
@@ -255,6 +271,22 @@ def _before_read(method):
         return method(self, *args, **kwargs)
 
     wrapper._lins_reads = True
+    return wrapper
+
+
+def _dropping(zero_grad):
+    """``module.zero_grad()`` on an engine's module (or one of its submodules) drops the gradients its parameters
+    accumulated in the window, as under ZeRO-1, where they live in ``.grad``: Lins keeps them in its accumulators."""
+    @functools.wraps(zero_grad)
+    def wrapper(self, set_to_none: bool = True):
+        if _OWNERS and not torch.compiler.is_compiling():
+            ref = _OWNERS.get(self)
+            rt = ref() if ref is not None else None
+            if rt is not None and not rt.destroyed:
+                rt.drop_gradients(list(self.parameters()))
+        return zero_grad(self, set_to_none)
+
+    wrapper._lins_drops = True
     return wrapper
 
 

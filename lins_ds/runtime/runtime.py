@@ -410,13 +410,26 @@ class LinsRuntime:
         if self.reads_pending and not self.progress.busy and self.progress.phase is Phase.FORWARD:
             self.params_current()
 
-    def drop_gradients(self) -> None:
+    def drop_gradients(self, params=None) -> None:
         """``zero_grad``: the gradients accumulated so far are dropped, as DeepSpeed drops them (every rank at the same
-        point; reductions in flight complete first, none is issued). After ``step()`` there is nothing to drop."""
+        point; reductions in flight complete first, none is issued, so one rank alone may call it). ``params``: only
+        theirs (a submodule's ``zero_grad``), else every gradient. After ``step()`` there is nothing to drop."""
         if self.progress.phase is Phase.BACKWARD:
             raise RuntimeError("lins: zero_grad() inside a backward")
+        if self.forward_only:
+            return
         self._executor.complete_reductions()
-        self.zero_gradients()
+        mine = None if params is None else [p for p in params if p in self._slot_of]
+        if mine is None or len(set(mine)) == len(self._slot_of):
+            self.zero_gradients()
+            return
+        if not mine:
+            return
+        self.host_grads_final()  # every push of the window added in before a part of it is dropped
+        for p in mine:
+            unit, slot = self._slot_of[p]
+            unit.drop_grad(slot)
+        self.host_grads_written()
 
     def outside_units(self) -> list:
         """The model's parameters no unit holds (frozen ones), as they were at build."""

@@ -139,6 +139,9 @@ class LinsOptimizer(ZeROOptimizer):
         self.runtime.end_backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As under ZeRO-1, the gradients accumulated so far are dropped (inside an accumulation window: a user's or a
+        library's call; DeepSpeed's own, after ``step()``, finds nothing left)."""
+        self.runtime.drop_gradients()
         self.runtime.attach_grads()
 
     @torch.no_grad()

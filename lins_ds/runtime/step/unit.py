@@ -379,6 +379,14 @@ class Unit:
             if s_ is slot:
                 self.g_acc[s:e].copy_(flat[a:b])
 
+    @torch.no_grad()
+    def drop_grad(self, slot) -> None:
+        """``slot``'s part of the gradient accumulated so far dropped (a submodule's ``zero_grad``; nothing in
+        flight): zeros where this rank's G accumulator holds it; nothing where no gradient of the window arrived."""
+        if self._g_acc is None and self.host_grads is None:
+            return
+        self.write_grad(slot, torch.zeros(slot.numel, dtype=self.accum_dtype, device=self.device))
+
     def p_shard_write(self, slot, flat: torch.Tensor) -> None:
         """Copy the part of ``slot``'s flat values that lies in this rank's P chunk into it."""
         lo, hi = self.spec.p_start, self.spec.p_start + self.spec.p_size
