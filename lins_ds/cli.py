@@ -69,23 +69,22 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
 
 
-def _offload_spec(args: argparse.Namespace, topo):
-    from .plan.offload import HostSpec, OffloadSpec
+def _offload_rungs(args: argparse.Namespace, topo) -> list:
+    """--offload as the engine's lins.offload: the same ladder (``plan.offload.ladder``), the host given."""
+    from .plan.offload import HostSpec, ladder
 
     mode = args.offload or ("auto" if args.host_memory_gb else "off")
-    if mode == "off":
-        return OffloadSpec()
-    if not args.host_memory_gb:
+    if mode != "off" and not args.host_memory_gb:
         raise SystemExit("lins-ds plan: --offload auto needs --host-memory-gb (the host memory per node)")
-    return OffloadSpec("auto", host=HostSpec(args.host_memory_gb / topo.gpus_per_node, args.host_update_gelems * 1e9,
-                                             args.host_copy_gbs, args.host_copy_gbs, source="given (lins-ds plan)"),
-                       params="needed")  # as the engine's "auto": parameters on the host only where nothing else fits
+    host = (HostSpec(args.host_memory_gb / topo.gpus_per_node, args.host_update_gelems * 1e9, args.host_copy_gbs,
+                     args.host_copy_gbs, source="given (lins-ds plan)") if args.host_memory_gb else None)
+    return ladder(mode, lambda: host)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import plan as P
     from .plan import context, cost, report
-    from .plan.offload import OffloadSpec
+    from .plan.offload import walk
 
     topo = P.Topology(args.nodes, args.gpus_per_node)
     model = P.load_model(args.model)
@@ -104,14 +103,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            args.grad_accum_dtype, args.grad_reduce_dtype, activation_checkpointing=args.ckpt)
     device = "cpu" if args.profile and table.meta.get("device") == "cpu" else "cuda"  # the profile's device
     mem = P.MemorySpec(capacity, context.reserved_gb(args.reserved_gb, device), args.fragmentation)
-    offload = _offload_spec(args, topo)
+    rungs = _offload_rungs(args, topo)
 
     def solve(spec):
-        return P.solve(model, topo, train, mem, table, compute, objective=args.objective, offload=spec)
+        return P.solve(model, topo, train, mem, table, compute, objective=args.objective, offload=spec), True
 
     try:  # the engine's offload policy: "auto" offloads only where no GPU-resident plan fits
-        sol = context.without_offload_first(offload.mode, lambda: (solve(OffloadSpec()), True),
-                                            lambda: solve(offload), (P.NoFeasiblePlan,))
+        sol = walk(rungs, solve, (P.NoFeasiblePlan,))
     except P.NoFeasiblePlan as e:
         if args.format == "json":
             print(json.dumps({"error": str(e), "smallest_plan": e.smallest.layout.to_json(),

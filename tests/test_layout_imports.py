@@ -272,3 +272,24 @@ def test_nothing_outside_the_runtime_reads_what_a_plan_holds():
     assert not bad, "reach-ins into what LinsRuntime owns:\n" + "\n".join(bad)
     unused = set(REACH_IN_ALLOWED) - {(m, attr) for m, attr, _ in found}
     assert not unused, f"allowed reach-ins no module makes any more (drop them): {sorted(unused)}"
+
+
+def test_one_offload_policy_site():
+    """Which offload is tried, in which order, is decided in one place (issue 62): ``plan.offload.ladder``, walked by
+    ``plan.offload.walk``. No other module of lins_ds builds an offload that is not GPU-resident (an ``OffloadSpec``
+    with arguments), walks offloads of its own (a loop that calls the solver once per offload), or names a hidden
+    placement ("needed")."""
+    builders, needed = set(), set()
+    for path, module in modules():
+        text = open(path).read()
+        for node in ast.walk(ast.parse(text, path)):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "OffloadSpec"
+                    and (node.args or node.keywords)):
+                builders.add(module[len("lins_ds."):])
+            if isinstance(node, ast.Constant) and node.value == "needed":
+                needed.add(module[len("lins_ds."):])
+    assert builders == {"plan.offload"}, builders
+    assert not needed, needed
+    from lins_ds.plan import offload
+
+    assert not hasattr(offload, "widened") and "needed" not in offload.PARAM_PLACES

@@ -17,7 +17,7 @@ from lins_ds.plan import (ComputeSpec, MemorySpec, NoFeasiblePlan, PlanError, To
                           get_cluster, load_model, solve)
 from lins_ds.plan.memory import memory
 from lins_ds.plan import Plan
-from lins_ds.plan.offload import HostSpec, OffloadSpec, unit_seconds, widened
+from lins_ds.plan.offload import HostSpec, OffloadSpec, ladder, rungs_from, unit_seconds, walk
 from lins_ds.plan.report import describe
 from lins_ds.plan.solver import evaluate
 
@@ -582,18 +582,24 @@ def test_parameters_on_the_host_lower_the_floor_again():
     budget = with_g.total_gb - 2
     with pytest.raises(NoFeasiblePlan):
         solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto())  # P stays on the GPU unless asked
-    for params in ("auto", "needed"):  # "needed" (lins.offload "auto"): to the host here, where nothing else fits
-        sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE,
-                    offload=OffloadSpec("auto", host=BIG_HOST, params=params))
-        assert sol.plan.offload_params and sol.plan.offload_grads and sol.best.memory.total_gb <= budget
-        assert "OS, G and P" in describe(sol.best) and Plan.from_json(sol.plan.to_json()) == sol.plan
-    needed = OffloadSpec("auto", host=BIG_HOST, params="needed")
-    assert widened(needed).params == "auto" and widened(auto()) == auto()  # what the engine's context then prices
-    # where a plan fits with P on the GPU, "needed" keeps it there, whatever the time model says of the other
-    fits = solve(MODEL, TOPO, TRAIN, MemorySpec(with_g.total_gb + 0.5), TABLE,
-                 offload=OffloadSpec("auto", host=BIG_HOST, params="needed"))
+    sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=OffloadSpec("auto", host=BIG_HOST, params="auto"))
+    assert sol.plan.offload_params and sol.plan.offload_grads and sol.best.memory.total_gb <= budget
+    assert "OS, G and P" in describe(sol.best) and Plan.from_json(sol.plan.to_json()) == sol.plan
+    # lins.offload "auto"'s ladder (the one policy): GPU-resident, then P on the GPU, then P free to go to the host
+    rungs = ladder("auto", lambda: BIG_HOST)
+    assert [r.kind for r in rungs] == [("off", "gpu"), ("auto", "gpu"), ("auto", "auto")]
+
+    def attempt(capacity):
+        return lambda spec: (solve(MODEL, TOPO, TRAIN, MemorySpec(capacity), TABLE, offload=spec), True)
+
+    needs_p = walk(rungs, attempt(budget), (NoFeasiblePlan,))
+    assert needs_p.plan.offload_params and needs_p.best.memory.total_gb <= budget  # only the third rung fits
+    # where a plan fits with P on the GPU, the ladder keeps it there, whatever the time model says of the other
+    fits = walk(rungs, attempt(with_g.total_gb + 0.5), (NoFeasiblePlan,))
     assert fits.plan.offload_units and not fits.plan.offload_params
     assert not any(e.offload_params for e in fits.fitting)
+    assert [r.kind for r in rungs_from(rungs, OffloadSpec("auto", host=BIG_HOST, params="gpu"))] == \
+        [("auto", "gpu"), ("auto", "auto")]  # a re-size starts where the last plan stood
     topo = Topology(2, 2)
     spec = OffloadSpec("fixed", host=BIG_HOST, grads="cpu", params="cpu")
     for lay in candidates(topo):

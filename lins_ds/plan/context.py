@@ -1,11 +1,12 @@
 """What the solver is given, and the rules that fill it in, in one place for every caller: the engine at start-up and
 for a new sequence length, the memory guard, the tuner, and ``lins-ds plan``. The same inputs give the same plan
-whoever asks: the defaults (reserve, compute model) and the offload policy are not written twice."""
+whoever asks: the defaults (reserve, compute model) are not written twice, and the offload policy is
+``plan.offload.ladder`` walked by ``plan.offload.walk``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from .clusters import get_cluster
 from .memory import ActivationProfile
@@ -32,29 +33,6 @@ def compute_for(table: ProfileTable, cluster: str) -> ComputeSpec:
         return base
     return ComputeSpec(float(meta["peak_tflops"]), float(meta.get("achievable_mfu", base.achievable_mfu)),
                        float(meta.get("memory_bandwidth_gbs", base.memory_bandwidth_gbs)))
-
-
-def without_offload_first(mode: str, without: Callable, with_offload: Callable, no_fit: tuple):
-    """lins.offload's one policy, for every caller. "auto" offers offload only where no GPU-resident plan fits (it
-    costs step time, and measuring the host costs start-up time): ``without()`` -> (result, fits) first, then, only
-    if that raised one of ``no_fit`` or does not fit, ``with_offload()`` (None: no offload can run here, and the
-    GPU-resident result stands, or its error is raised). "off" and "fixed" make one call, to the one they name."""
-    if mode == "off":
-        return without()[0]
-    if mode != "auto":
-        return with_offload()
-    try:
-        result, fits = without()
-        if fits:
-            return result
-    except no_fit as e:
-        result = e
-    out = with_offload()
-    if out is not None:
-        return out
-    if isinstance(result, BaseException):
-        raise result
-    return result
 
 
 def check_placement(spec: OffloadSpec, layout, topo: Topology) -> None:

@@ -15,15 +15,15 @@ gradient down at the step (G on the GPU) or, during backward, each micro-batch's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from .spec import GIB, TrainingSpec
 from .topology import Layout, PlanError
 
 MODES = ("off", "auto", "fixed")
 GRAD_PLACES = ("auto", "cpu", "gpu")  # the offloaded units' G (or P): the solver's choice, always the host, never
-PARAM_PLACES = GRAD_PLACES + ("needed",)  # P also "needed": on the host only where no plan fits with P on the GPU
+PARAM_PLACES = GRAD_PLACES
 HOST_STATE_BYTES = 4 + 8  # fp32 master and Adam's two fp32 moments, always on the host for an offloaded unit
 
 
@@ -54,7 +54,7 @@ class OffloadSpec:
     fraction: float = 1.0
     host: Optional[HostSpec] = None
     grads: str = "auto"  # the offloaded units' G on the host: "auto" (where the layout lets it), "cpu", "gpu"
-    params: str = "gpu"  # the offloaded units' P on the host: the same choices, or "needed" (lins.offload "auto")
+    params: str = "gpu"  # the offloaded units' P on the host: the same choices
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,20 +92,75 @@ class OffloadSpec:
         return [(g, p) for g in self.grad_choices(layout, world) for p in self.param_choices(layout)]
 
 
-def widened(spec: OffloadSpec) -> OffloadSpec:
-    """``spec`` with parameters free to go to the host ("needed" becomes "auto": the solver prices both)."""
-    return replace(spec, params="auto") if spec.params == "needed" else spec
+# --- the one offload policy (docs/design.md §13): an ordered ladder of typed specs and one driver that walks it ---
+Rung = Callable[[], Optional[OffloadSpec]]  # the spec of one rung, or None where it cannot run here (no host)
 
 
-def ladder(spec: OffloadSpec) -> list:
-    """The offloads to price in turn, each only where none before gives a plan that fits (the solver, a fixed
-    layout's prediction): with ``params`` "needed" (lins.offload "auto"), P on the GPU first, then free to go to the
-    host."""
-    return [spec, widened(spec)] if spec.params == "needed" else [spec]
+def ladder(mode: str, host: Callable[[], Optional[HostSpec]], fraction: float = 1.0, grads: str = "auto",
+           params: str = "gpu") -> list:
+    """lins.offload (or ``lins-ds plan --offload``) as the rungs to price in turn, each only where none before gives a
+    plan that fits: "off": GPU-resident; "fixed": the offload it names (``fraction``, ``grads``, ``params``); "auto":
+    GPU-resident (offload costs step time, and measuring the host start-up time), then the optimizer state (and the
+    gradients where that pays) of the fewest units that fit on the host with their parameters on the GPU, then their
+    parameters free to go too. ``host()`` describes the host, measured the first time a rung needs it (None: no host
+    optimizer runs here, and the rungs that need one are skipped). Each rung is a callable: nothing is measured
+    before it is reached."""
+    def resident() -> OffloadSpec:
+        return OffloadSpec()
+
+    def on_host(mode_: str, params_: str) -> Rung:
+        def spec() -> Optional[OffloadSpec]:
+            h = host()
+            return None if h is None else OffloadSpec(mode_, fraction, h, grads, params_)
+        spec.kind = (mode_, params_)
+        return spec
+
+    resident.kind = ("off", "gpu")
+    if mode == "off":
+        return [resident]
+    if mode == "fixed":
+        return [on_host("fixed", params)]
+    if mode != "auto":
+        raise PlanError(f"offload: {mode!r} is not one of {MODES}")
+    return [resident, on_host("auto", "gpu"), on_host("auto", "auto")]
+
+
+def rungs_from(rungs: list, spec: OffloadSpec) -> list:
+    """The rungs from the one ``spec`` was made by on (a plan re-sized for another length starts where the last one
+    stood: no lower rung fitted a shorter sequence)."""
+    kind = (spec.mode, spec.params if spec.mode != "off" else "gpu")
+    at = next((i for i, r in enumerate(rungs) if r.kind == kind), 0)
+    return rungs[at:]
+
+
+def walk(rungs: list, attempt: Callable, no_fit: tuple):
+    """The one driver: ``attempt(spec)`` -> (result, fits) for each rung in turn (a rung whose spec is None cannot run
+    here and is skipped); the first result that fits. Where none fits: the first result (a fixed layout that offload
+    does not make fit runs GPU-resident, and the memory guard warns), else the last error among ``no_fit`` an attempt
+    raised (the highest rung's: what the most offload still lacks)."""
+    first, error = None, None
+    for rung in rungs:
+        spec = rung()
+        if spec is None:
+            continue
+        try:
+            result, fits = attempt(spec)
+        except no_fit as e:
+            error = e
+            continue
+        if fits:
+            return result
+        if first is None:
+            first = (result,)
+    if first is not None:
+        return first[0]
+    if error is None:
+        raise PlanError("offload: no rung of the offload ladder can run here")
+    raise error
 
 
 def _choices(want: str, allowed: bool) -> list:
-    if want in ("off", "gpu", "needed"):  # "needed": the solver widens to "auto" only where nothing fits
+    if want in ("off", "gpu"):
         return [False]
     if want == "cpu":
         return [True] if allowed else []

@@ -19,7 +19,7 @@ from typing import Optional
 from . import cost
 from .memory import ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
-from .offload import OffloadSpec, exposed_seconds as offload_exposed, ladder
+from .offload import OffloadSpec, exposed_seconds as offload_exposed
 from .profile_table import ProfileTable
 from .spec import MemorySpec, TrainingSpec
 from .topology import Layout, PlanError, Topology, candidates, check_layout
@@ -309,22 +309,9 @@ def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
           compute: ComputeSpec = ComputeSpec(), layouts: Optional[list] = None, objective: str = "step",
           activations: Optional[ActivationProfile] = None, offload: OffloadSpec = OffloadSpec()) -> Solution:
-    """The fastest fitting plan; raises NoFeasiblePlan naming the smallest plan and its deficit. Per layout and
-    checkpointing choice, the fewest offloaded units that fit (``offload``: none unless its mode allows). With
-    ``offload.params`` "needed", the offloaded units' parameters go to the host only where no plan fits without
-    (``offload.ladder``)."""
-    steps = ladder(offload)
-    for i, spec in enumerate(steps):
-        try:
-            return _solve(model, topo, train, mem, table, compute, layouts, objective, activations, spec)
-        except NoFeasiblePlan:
-            if i == len(steps) - 1:
-                raise
-
-
-def _solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
-           compute: ComputeSpec, layouts: Optional[list], objective: str, activations: Optional[ActivationProfile],
-           offload: OffloadSpec) -> Solution:
+    """The fastest fitting plan under exactly ``offload``; raises NoFeasiblePlan naming the smallest plan and its
+    deficit. Per layout and checkpointing choice, the fewest offloaded units that fit (none unless ``offload`` allows).
+    Which offload to try, and in which order, is ``plan.offload.ladder``'s, walked by ``plan.offload.walk``."""
     if objective not in OBJECTIVES:
         raise PlanError(f"objective: {objective!r} is not one of {OBJECTIVES}")
     t0 = time.perf_counter()

@@ -155,8 +155,8 @@ OFFLOAD_KEYS = ("os", "os_fraction", "p", "g")
 class OffloadChoice(NamedTuple):
     """lins.offload parsed: ``mode`` "auto", "off" or "fixed"; ``fraction`` of the units (fixed); where the
     offloaded units' gradients (``grads``) and parameters (``params``) go: "auto" (the solver's choice), "cpu",
-    "gpu", and for parameters under "auto" also "needed" (on the host only where nothing fits with them on the GPU:
-    ``plan.offload.ladder``)."""
+    "gpu". Under "auto" the parameters' rung of ``plan.offload.ladder`` (on the host only where nothing fits with
+    them on the GPU) decides them."""
 
     mode: str
     fraction: float
@@ -164,7 +164,7 @@ class OffloadChoice(NamedTuple):
     params: str
 
 
-OFFLOAD_AUTO = OffloadChoice("auto", 1.0, "auto", "needed")
+OFFLOAD_AUTO = OffloadChoice("auto", 1.0, "auto", "auto")
 OFFLOAD_OFF = OffloadChoice("off", 1.0, "gpu", "gpu")
 
 

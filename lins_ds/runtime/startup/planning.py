@@ -18,9 +18,8 @@ from deepspeed.utils import logger
 from ... import comm, dtypes
 from ...plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                      load_model, solve)
-from ...plan.context import (SolveContext, check_placement as _check_placement, compute_for, reserved_gb,
-                             without_offload_first)
-from ...plan.offload import HostSpec, OffloadSpec, ladder, widened
+from ...plan.context import SolveContext, check_placement as _check_placement, compute_for, reserved_gb
+from ...plan.offload import HostSpec, OffloadSpec, ladder, rungs_from, walk
 from ...plan.solver import NoFeasiblePlan, _gib
 from ...plan import cost, report
 from ...plan.layout import needs_unsorted_groups
@@ -173,36 +172,57 @@ def host_capacity_gb(cfg: LinsConfig) -> float:
     return node / max(1, comm.local_world_size())
 
 
-def offload_spec(basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tuple = (torch.bfloat16,) * 2) -> tuple:
-    """(OffloadSpec, host optimizer kind): lins.offload with this host's speeds, measured on every rank and
-    rank 0's kept (every rank must price the same plan); "auto" never offloads on a CPU device."""
+class HostProbe:
+    """The host's description for the offload rungs (``plan.offload.ladder``), made the first time a rung needs it:
+    measured on every rank and rank 0's kept (every rank must price the same plan) on a GPU, assumed on a CPU. None
+    where "auto" cannot offload here (a CPU device; a host optimizer that does not run: said, and training goes on
+    without offload); a fixed offload that cannot run raises on every rank. ``kind``: the host optimizer it chose."""
+
+    def __init__(self, basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tuple = (torch.bfloat16,) * 2,
+                 given: Optional[HostSpec] = None):
+        self.basic, self.cfg, self.device, self.grad_dtypes = basic, cfg, device, grad_dtypes
+        self.kind: Optional[str] = None  # None: nothing measured (``given``, or not yet)
+        self._done, self._host = given is not None, given
+
+    def __call__(self) -> Optional[HostSpec]:
+        if not self._done:
+            self._done, self._host = True, self._describe()
+        return self._host
+
+    def _describe(self) -> Optional[HostSpec]:
+        cfg, device = self.cfg, self.device
+        if cfg.offload.mode == "auto" and device.type != "cuda":
+            return None
+        capacity = host_capacity_gb(cfg)
+        if device.type != "cuda":
+            self.kind = "torch" if cfg.host_optimizer == "auto" else cfg.host_optimizer
+            return HostSpec(capacity, source="assumed: a CPU device")
+        try:
+            found, error = host_optimizer.measure(self.basic, cfg.host_optimizer, device, capacity,
+                                                  grad_dtypes=self.grad_dtypes), None
+        except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
+            found, error = None, str(e) if isinstance(e, LinsConfigError) else f"lins.offload: {type(e).__name__}: {e}"
+        error = comm.agree(error)
+        if error and cfg.offload.mode == "auto":  # offload is only an option: train without it, and say why
+            announce(f"lins: offload off ({error})")
+            return None
+        if error:
+            raise LinsConfigError(error)
+        host, self.kind = comm.broadcast_object(found)
+        return host
+
+
+def offload_rungs(cfg: LinsConfig, host) -> list:
+    """lins.offload's rungs (``plan.offload.ladder``: the one policy, ``lins-ds plan``'s too)."""
     mode, fraction, grads, params = cfg.offload
-    if mode == "auto" and device.type != "cuda":
-        mode = "off"
-    if mode == "off":
-        return OffloadSpec(), "torch"
-    capacity = host_capacity_gb(cfg)
-    if device.type != "cuda":
-        kind = "torch" if cfg.host_optimizer == "auto" else cfg.host_optimizer
-        return OffloadSpec(mode, fraction, HostSpec(capacity, source="assumed: a CPU device"), grads, params), kind
-    try:
-        found, error = host_optimizer.measure(basic, cfg.host_optimizer, device, capacity, grad_dtypes=grad_dtypes), None
-    except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
-        found, error = None, str(e) if isinstance(e, LinsConfigError) else f"lins.offload: {type(e).__name__}: {e}"
-    error = comm.agree(error)
-    if error and mode == "auto":  # offload is only an option: train without it, and say why
-        announce(f"lins: offload off ({error})")
-        return OffloadSpec(), "torch"
-    if error:
-        raise LinsConfigError(error)
-    host, kind = comm.broadcast_object(found)
-    return OffloadSpec(mode, fraction, host, grads, params), kind
+    return ladder(mode, host, fraction, grads, params)
 
 
 def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-                  ckpt=None, table: Optional[ProfileTable] = None, offload=None, seq_len: int = 0) -> SolveContext:
-    """The solver's inputs for this engine's model, batch, dtypes, optimizer and device (``offload``: what
-    ``offload_spec`` returned; ``seq_len``: the length to size for, else ``start_seq_len``'s)."""
+                  ckpt=None, table: Optional[ProfileTable] = None, offload: Optional[OffloadSpec] = None,
+                  seq_len: int = 0) -> SolveContext:
+    """The solver's inputs for this engine's model, batch, dtypes, optimizer and device (``offload``: one rung of
+    ``offload_rungs``; ``seq_len``: the length to size for, else ``start_seq_len``'s)."""
     module = engine.module
     model = _model_spec(module, cfg)
     train = TrainingSpec(seq_len or start_seq_len(module, cfg)[0], engine.train_micro_batch_size_per_gpu(),
@@ -216,7 +236,7 @@ def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, acc
     layouts = candidates(topo)
     if not comm.SUPPORTS_UNSORTED_GROUPS:  # older torch: only layouts whose groups are in rank order
         layouts = [lay for lay in layouts if not needs_unsorted_groups(topo, lay)]
-    spec = offload[0] if offload is not None else OffloadSpec()
+    spec = offload if offload is not None else OffloadSpec()
     return SolveContext(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
                         compute_for(table, cfg.cluster), layouts, cfg.objective, acts, acts_note, spec)
 
@@ -251,8 +271,6 @@ def solved(context: SolveContext, inferred: bool) -> tuple:
     except PlanError as e:  # the training spec's keys are the lins block's
         msg = str(e)
         raise LinsConfigError("lins." + msg if msg.startswith("activation_checkpointing:") else msg) from None
-    if sol.plan.offload_params and context.offload.params == "needed":  # the solver needed them on the host: the
-        context = dataclasses.replace(context, offload=widened(context.offload))  # tuner's alternatives too
     summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}" + _offload_note(context, sol.plan)
     if context.model.unmodelled:
         summary += f"\n  model: {context.model.unmodelled}"
@@ -272,7 +290,7 @@ def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_
     plan = Plan(topo, layout, k, param_dtype, dtypes.name_of(accum_dtype), model=type(engine.module).__name__,
                 profile_source="fixed in config", num_layers=n)
     summary = _fixed_summary(plan)
-    spec = offload[0] if offload is not None else OffloadSpec()
+    spec = offload if offload is not None else OffloadSpec()
     if spec.mode == "fixed":
         check_placement(spec, layout, topo)
     try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
@@ -291,16 +309,7 @@ def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
     """(plan, summary, context) of a fixed layout with the offload ``context`` allows and the memory it predicts."""
     layout, k = plan.layout, plan.activation_checkpointing_units
     check_placement(context.offload, layout, context.topo)
-    chosen = None
-    for spec in ladder(context.offload):  # "auto": parameters on the host only if that is what makes it fit
-        step = dataclasses.replace(context, offload=spec)
-        e = step.fewest_offloaded(layout, k)
-        if e.fits_gpu or spec.mode != "auto":
-            chosen = step, e
-            break
-    if chosen is None:  # "auto", and offload does not make this layout fit: none (the memory guard warns)
-        chosen = context, context.evaluate(layout, k, 0)
-    context, e = chosen
+    e = context.fewest_offloaded(layout, k) if context.offload.mode != "off" else context.evaluate(layout, k, 0)
     if e.memory.host_gb > e.host_capacity_gb:
         raise LinsConfigError(f"lins.offload: the fixed plan's offloaded optimizer state needs {_gib(e.memory.host_gb)} "
                               f"GiB of host memory per rank, {_gib(e.host_capacity_gb)} GiB available "
@@ -329,23 +338,18 @@ class NoPlanFits(LinsConfigError):
 
 def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
               seq_len: int = 0) -> tuple:
-    """(plan, summary, solve context or None, host optimizer kind): solved, or the fixed layout of the config.
-    ``"offload": "auto"`` offers the solver offload only where no GPU-resident plan fits (it costs time, and
-    measuring the host costs start-up time); a fixed offload is always priced."""
+    """(plan, summary, solve context or None, host optimizer kind): solved, or the fixed layout of the config, on the
+    first rung of lins.offload's ladder that fits (``offload_rungs``, walked by ``plan.offload.walk``: "auto" offers
+    offload only where no GPU-resident plan fits; a fixed offload is its one rung)."""
     build = solve_plan if cfg.solve else fixed_plan
+    host = HostProbe(engine.basic_optimizer, cfg, torch.device(engine.device), _grad_dtypes(cfg, param_dtype, accum_dtype))
 
-    def without() -> tuple:
-        plan, summary, context = build(engine, cfg, topo, param_dtype, accum_dtype, seq_len=seq_len)
+    def attempt(spec: OffloadSpec) -> tuple:
+        plan, summary, context = build(engine, cfg, topo, param_dtype, accum_dtype, spec, seq_len=seq_len)
         fits = cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb
-        return (plan, summary, context, "torch"), fits
+        return (plan, summary, context, host.kind if spec.mode != "off" else "torch"), fits
 
-    def with_offload():
-        spec, kind = _offload_for(engine, cfg, param_dtype, accum_dtype)
-        if spec.mode == "off" and cfg.offload.mode == "auto":  # a CPU device, or no host optimizer runs here
-            return None
-        return (*build(engine, cfg, topo, param_dtype, accum_dtype, (spec, kind), seq_len=seq_len), kind)
-
-    return without_offload_first(cfg.offload.mode, without, with_offload, (NoPlanFits,))
+    return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
 
 
 def start_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
@@ -395,32 +399,26 @@ def forward_only_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str)
                   f"P={p} ({why})")
 
 
-def _offload_for(engine, cfg: LinsConfig, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
-    reduce = dtypes.TORCH[cfg.grad_reduce_dtype or param_dtype]
-    return offload_spec(engine.basic_optimizer, cfg, torch.device(engine.device), (accum_dtype, reduce))
+def _grad_dtypes(cfg: LinsConfig, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+    return accum_dtype, dtypes.TORCH[cfg.grad_reduce_dtype or param_dtype]
 
 
 def plan_for_length(engine, cfg: LinsConfig, context: SolveContext, plan: Plan, seq_len: int) -> tuple:
     """(plan, summary, context, host optimizer kind or None) sized for ``seq_len`` from the start-up ``context``
     (its timing table, activation profile and offload: nothing is measured again, except the host where offload
-    becomes necessary, on every rank alike). A fixed layout keeps its layout and checkpointing."""
+    becomes necessary, on every rank alike). The ladder is walked from the rung the context stands on. A fixed layout
+    keeps its layout and checkpointing."""
     context = dataclasses.replace(context, train=dataclasses.replace(context.train, seq_len=seq_len), solution=None)
     inferred = cfg.seq_len is None
+    host = HostProbe(engine.basic_optimizer, cfg, torch.device(engine.device),
+                     _grad_dtypes(cfg, plan.param_dtype, dtypes.TORCH[plan.grad_dtype]), context.offload.host)
 
-    def build(ctx):
-        return solved(ctx, inferred) if cfg.solve else fixed_predicted(ctx, plan, _fixed_summary(plan))
+    def attempt(spec: OffloadSpec) -> tuple:
+        ctx = dataclasses.replace(context, offload=spec)
+        out = solved(ctx, inferred) if cfg.solve else fixed_predicted(ctx, plan, _fixed_summary(plan))
+        return (*out, host.kind), cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
 
-    def without() -> tuple:
-        out = build(context)
-        return (*out, None), cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
-
-    def with_offload():
-        spec, kind = _offload_for(engine, cfg, plan.param_dtype, dtypes.TORCH[plan.grad_dtype])
-        return None if spec.mode == "off" else (*build(dataclasses.replace(context, offload=spec)), kind)
-
-    # the host is measured only where "auto" has not offloaded yet; else the context's offload is the one priced
-    mode = "auto" if cfg.offload.mode == "auto" and context.offload.mode == "off" else "off"
-    return without_offload_first(mode, without, with_offload, (NoPlanFits,))
+    return walk(rungs_from(offload_rungs(cfg, host), context.offload), attempt, (NoPlanFits,))
 
 
 def _fixed_summary(plan: Plan) -> str:
