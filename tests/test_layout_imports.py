@@ -231,6 +231,41 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 COLLECTIVE_CALLERS = {"runtime.step.unit", "runtime.runtime"}
 
 
+AGREEMENTS = ("agree", "all_gather_object", "broadcast_object", "all_ranks_arrive", "max_over_world",
+              "max_over_world_cpu", "barrier", "check_order")
+# who calls comm's agreements (object gathers, barriers, max over ranks), which hang a job as easily as a tensor
+# collective when only some ranks reach them, and why each may: every rank reaches it at the same point
+AGREEMENT_CALLERS = {
+    "checkpoint.load": "every rank's outcome of reading and checking, before any of them fills the engine",
+    "checkpoint.save": "every rank's outcome of writing, before the rename; rank 0's directory listing",
+    "integrations.engine": "the state_dict gather's arrival check (every rank must call it)",
+    "profiler": "rank 0's cached or measured timing table, handed to every rank",
+    "profiler.measure": "the slowest rank's time of each measured collective",
+    "profiler.validate": "the same, for the validation of a profile",
+    "runtime.memory.memory_guard": "the worst rank's peak, after the second step (every rank steps)",
+    "runtime.memory.memory_probe": "rank 0's activation profile, handed to every rank",
+    "runtime.runtime": "a re-layout's outcome on every rank (all go back on any failure)",
+    "runtime.startup.materialize": "whether every rank built the model the same way, at deepspeed.initialize",
+    "runtime.startup.planning": "the plan's digest and batch settings; the host's description (rank 0's)",
+    "runtime.startup.seq_len": "the longest training batch every rank saw, at the window's start",
+    "runtime.step.offload": "a host worker's failure on any rank, at the step, a save or a re-layout",
+    "runtime.step.staging": "a re-layout's staging outcome on every rank",
+    "runtime.switch.tune": "the cached decision (rank 0's) and the slowest rank's step time",
+}
+
+
+def test_only_the_named_modules_agree_across_ranks():
+    callers = set()
+    for path, module in modules():
+        if module == "lins_ds.comm":
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in AGREEMENTS
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "comm"):
+                callers.add(module[len("lins_ds."):])
+    assert callers == set(AGREEMENT_CALLERS), callers ^ set(AGREEMENT_CALLERS)
+
+
 def test_only_the_named_modules_issue_collectives():
     """Every collective goes through comm.py, from these modules alone: host offload copies (HostParams uploads a
     P chunk; the unit gathers it), the runtime and checkpoints ask units."""
