@@ -43,9 +43,16 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                         "comm: all communication + recompute (the paper's, for its Table III)")
     p.add_argument("--host-memory-gb", type=float, help="host memory per node the offloaded optimizer state may "
                    "pin, GiB; with it the solver may offload (--offload auto)")
-    p.add_argument("--offload", choices=["auto", "off"], help="auto: where no plan fits the GPU, the solver may put "
-                   "the last units' optimizer state on the host, as the engine's lins.offload \"auto\" (default with "
-                   "--host-memory-gb); off: never")
+    p.add_argument("--offload", choices=["auto", "off", "fixed"], help="auto: where no plan fits the GPU, the solver "
+                   "may put the last units' optimizer state on the host, as the engine's lins.offload \"auto\" "
+                   "(default with --host-memory-gb); off: never; fixed: as lins.offload {\"os\": \"cpu\", ...} "
+                   "(--os-fraction, --offload-g, --offload-p)")
+    p.add_argument("--os-fraction", type=float, default=1.0, help="--offload fixed: the fraction of units whose "
+                   "optimizer state is on the host (lins.offload.os_fraction)")
+    p.add_argument("--offload-g", default="auto", choices=["auto", "cpu", "gpu"], help="--offload fixed: the offloaded "
+                   "units' gradients (lins.offload.g)")
+    p.add_argument("--offload-p", default="gpu", choices=["auto", "cpu", "gpu"], help="--offload fixed: their "
+                   "parameters (lins.offload.p)")
     p.add_argument("--host-update-gelems", type=float, default=2.2, help="host optimizer speed, G elements/s "
                    "(default: torch's fused CPU AdamW as measured by an H200 host's engine start-up)")
     p.add_argument("--host-copy-gbs", type=float, default=50.0, help="pinned host<->GPU copy bandwidth, GB/s")
@@ -75,9 +82,11 @@ def _offload_rungs(args: argparse.Namespace, topo) -> list:
 
     mode = args.offload or ("auto" if args.host_memory_gb else "off")
     if mode != "off" and not args.host_memory_gb:
-        raise SystemExit("lins-ds plan: --offload auto needs --host-memory-gb (the host memory per node)")
+        raise SystemExit(f"lins-ds plan: --offload {mode} needs --host-memory-gb (the host memory per node)")
     host = (HostSpec(args.host_memory_gb / topo.gpus_per_node, args.host_update_gelems * 1e9, args.host_copy_gbs,
                      args.host_copy_gbs, source="given (lins-ds plan)") if args.host_memory_gb else None)
+    if mode == "fixed":
+        return ladder(mode, lambda: host, args.os_fraction, args.offload_g, args.offload_p)
     return ladder(mode, lambda: host)
 
 

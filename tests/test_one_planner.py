@@ -1,0 +1,104 @@
+"""One place decides (issue 62): ``lins-ds plan`` and the engine's start-up reach their plan through the same driver
+(``plan.offload.ladder`` walked by ``plan.offload.walk``, over the same ``SolveContext`` rules), so that what the CLI
+prints is what the engine runs: held for offload off / auto / fixed, budgets that force each rung of "auto"'s ladder,
+and "solve" and "tune" (whose first plan is the solver's best). The engine runs on 2 gloo ranks, on a profile the CLI
+reads too; its host is the CLI's (on a CPU, "auto" never offloads: the test gives the engine the CLI's host)."""
+
+import json
+
+import pytest
+
+from lins_ds.cli import main
+
+GPUS = 2
+HOST = {"host_memory_gb": 64.0, "update": 1.0, "copy": 25.0}
+KEYS = ("plan", "activation_checkpointing_units", "offload_units", "offload_grads", "offload_params", "memory_gb_per_gpu",
+        "objective_s_per_step")
+
+
+def engine_plan(profile, lins):
+    import deepspeed
+    import torch
+    from helpers import config, param_groups, tiny_llama
+
+    from lins_ds.plan import report
+    from lins_ds.plan.offload import HostSpec
+    from lins_ds.runtime.startup import planning
+
+    def given_host(self):  # the CLI's host, on this CPU too
+        if self.cfg.offload.mode == "off":
+            return None
+        self.kind = "torch"
+        return HostSpec(HOST["host_memory_gb"] / GPUS, HOST["update"] * 1e9, HOST["copy"], HOST["copy"],
+                        source="given (test)")
+
+    planning.HostProbe._describe = given_host
+    model = tiny_llama(layers=4)
+    block = {"profile": profile, "seq_len": 64, "memory_profile": "formula", "host_memory_gb": HOST["host_memory_gb"],
+             "tune": {"cache": False}, **lins}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                      config=config(block))
+    out = report.to_json(engine._lins_solve.solution)
+    engine.destroy()
+    return out
+
+
+def cli_plan(tmp_path, capsys, gb, offload) -> dict:
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--nodes", "1", "--gpus-per-node", str(GPUS),
+            "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum", "2", "--dtype", "fp32", "--gpu-memory-gb",
+            str(gb), "--profile", str(tmp_path / "profile.json"), "--format", "json", *offload]
+    assert main(args) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+HOST_ARGS = ["--host-memory-gb", str(HOST["host_memory_gb"]), "--host-update-gelems", str(HOST["update"]),
+             "--host-copy-gbs", str(HOST["copy"])]
+CASES = {  # name -> (lins block, budget GiB, lins-ds plan's offload arguments)
+    "solve, offload off, room": ({"plan": "solve", "offload": False}, 1.0, ["--offload", "off"]),
+    "solve, offload off, tight": ({"plan": "solve", "offload": False}, 0.0012, ["--offload", "off"]),
+    "solve, auto, GPU-resident rung": ({"plan": "solve", "offload": "auto"}, 1.0, HOST_ARGS),
+    "solve, auto, tight but resident": ({"plan": "solve", "offload": "auto"}, 0.0012, HOST_ARGS),
+    "solve, auto, OS on the host": ({"plan": "solve", "offload": "auto"}, 0.0009, HOST_ARGS),
+    "solve, auto, P on the host too": ({"plan": "solve", "offload": "auto"}, 0.00085, HOST_ARGS),
+    "solve, fixed OS": ({"plan": "solve", "offload": {"os": "cpu"}}, 1.0, [*HOST_ARGS, "--offload", "fixed"]),
+    "solve, fixed half, G on the host": ({"plan": "solve", "offload": {"os": "cpu", "os_fraction": 0.5, "g": "cpu"}},
+                                         1.0, [*HOST_ARGS, "--offload", "fixed", "--os-fraction", "0.5",
+                                               "--offload-g", "cpu"]),
+    "tune, auto": ({"plan": "tune", "offload": "auto"}, 0.0012, HOST_ARGS),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from helpers import tiny_llama
+
+    from lins_ds.plan import Topology, candidates, cost, get_cluster
+
+    tmp = tmp_path_factory.mktemp("one_planner")
+    topo = Topology(1, GPUS)
+    obj = get_cluster("h200-emulated").table(cost.required_meshes(topo, candidates(topo))).to_json()
+    obj["meta"]["device"] = "cpu"
+    (tmp / "profile.json").write_text(json.dumps(obj))
+    tiny_llama(layers=4).config.to_json_file(tmp / "config.json")
+    return tmp
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_cli_prints_the_plan_the_engine_runs(files, capsys, case):
+    from helpers import run
+
+    lins, gb, offload = CASES[case]
+    want = run(engine_plan, GPUS, str(files / "profile.json"), {**lins, "gpu_memory_gb": gb}, gpus_per_node=GPUS)[0]
+    got = cli_plan(files, capsys, gb, offload)
+    for key in KEYS:
+        assert got[key] == want[key], (case, key, got[key], want[key])
+
+
+def test_the_cases_reach_every_rung(files, capsys):
+    """The budgets above force each rung of "auto"'s ladder: GPU-resident, OS (and G) on the host, P too."""
+    rungs = {}
+    for case in ("solve, auto, GPU-resident rung", "solve, auto, OS on the host", "solve, auto, P on the host too"):
+        _, gb, offload = CASES[case]
+        out = cli_plan(files, capsys, gb, offload)
+        rungs[case] = (out["offload_units"] > 0, out["offload_params"])
+    assert list(rungs.values()) == [(False, False), (True, False), (True, True)], rungs
