@@ -250,7 +250,8 @@ AGREEMENT_CALLERS = {
     "runtime.startup.seq_len": "the longest training batch every rank saw, at the window's start",
     "runtime.step.offload": "a host worker's failure on any rank, at the step, a save or a re-layout",
     "runtime.step.staging": "a re-layout's staging outcome on every rank",
-    "runtime.switch.tune": "the cached decision (rank 0's) and the slowest rank's step time",
+    "runtime.switch.tune": "the slowest rank's step time, after each optimizer step",
+    "runtime.switch.planner": "a cached tune decision (rank 0's), at start-up or the first batch",
 }
 
 

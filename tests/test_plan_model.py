@@ -78,7 +78,8 @@ def test_the_start_up_summary_names_linear_layers_of_a_misaligned_width():
     import torch
     import transformers
 
-    from lins_ds.runtime.startup.planning import gemm_dtype, misaligned_note
+    from lins_ds.integrations.engine import gemm_dtype
+    from lins_ds.runtime.startup.planning import misaligned_note
 
     def gpt2(vocab):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=vocab))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
-import warnings
 import weakref
 
 import torch
@@ -23,24 +22,21 @@ from deepspeed.runtime.utils import register_output_backward_hooks
 from .. import comm, dtypes
 from ..checkpoint.load import load
 from ..checkpoint.save import save
-from ..plan import Plan
 from ..plan.layout import needs_unsorted_groups
 from ..runtime.memory import memory_guard
 from ..runtime.step import recompute
-from ..runtime.switch import tune
 from ..runtime.step.executor import grad_tensors
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
+from ..runtime.startup.facts import LaunchFacts
 from ..runtime.startup.materialize import agree, is_deferred
-from ..runtime.memory.memory_guard import report_startup
 from ..runtime.step.optimizer import LinsOptimizer, check_elementwise
-from ..runtime.startup.planning import (agree_on_plan, announce, forward_only_plan, gemm_dtype, misaligned_note,
-                                        plan_for_length, start_plan)
-from ..runtime.runtime import LinsRuntime, runs_differently
-from ..runtime.startup.seq_len import LengthWatch, batch_length
+from ..runtime.startup.planning import announce, misaligned_note
+from ..runtime.runtime import LinsRuntime
+from ..runtime.startup.seq_len import batch_length
+from ..runtime.switch.planner import Planner
 from . import ds_compat, zero_api
 
 ds_compat.check()
-GUARD_AFTER_STEPS = 2  # the memory guard's step: the first whose forward and backward hold the optimizer's state
 
 
 def validate(config: dict, stage: int, world_size: int, local_world_size: int):
@@ -67,11 +63,7 @@ class LinsEngine(DeepSpeedEngine):
         object.__setattr__(self, "lins_config", cfg)
         object.__setattr__(self, "lins_topology", topo)
         object.__setattr__(self, "lins", None)
-        object.__setattr__(self, "_lins_solve", None)
-        object.__setattr__(self, "lins_tuner", None)  # "plan": "tune", while trials run
-        object.__setattr__(self, "lins_tune_report", None)  # the trials' table once tuning is over
-        object.__setattr__(self, "_lins_lengths", None)  # lins.seq_len not set: the batches size the plan
-        object.__setattr__(self, "_lins_tune_pending", False)  # "tune" waits for the batches' length
+        object.__setattr__(self, "lins_planner", None)  # what decides every plan (runtime/switch/planner.py)
         # DeepSpeed must not build its CPU optimizer or offload anything itself: Lins places the state (its plan;
         # deepspeed.initialize already gave it a config without them, config.translate_zero_offload)
         config_class.zero_config.offload_optimizer = None
@@ -87,7 +79,19 @@ class LinsEngine(DeepSpeedEngine):
         self.module.register_state_dict_pre_hook(self._gather_for_state_dict)
         self.module._register_state_dict_hook(self._copy_out_state_dict)
         _LIVE.add(self)
-        report_startup(self.lins, self._lins_solve, time.perf_counter() - t0)
+        memory_guard.report_startup(self.lins, self._lins_solve, time.perf_counter() - t0)
+
+    # what the planner decided, as the engine has always shown it (tests, bench/train.py, users' scripts)
+    _lins_solve = property(lambda self: self.lins_planner.context if self.lins_planner is not None else None)
+    lins_tuner = property(lambda self: self.lins_planner.tuner if self.lins_planner is not None else None)
+    lins_tune_report = property(lambda self: self.lins_planner.tune_report if self.lins_planner is not None else None)
+
+    def _facts(self, optimizer) -> LaunchFacts:
+        """What DeepSpeed knows of this launch, for the planner (which never reads the engine)."""
+        param, accum, reduce = self._lins_dtypes()
+        return LaunchFacts(self.module, optimizer, self.train_micro_batch_size_per_gpu(),
+                           self.gradient_accumulation_steps(), param, accum, reduce, gemm_dtype(self, param),
+                           torch.device(self.device), self.lins_topology)
 
     def _lins_dtypes(self) -> tuple:
         """(parameter dtype name, gradient accumulation dtype, gradient reduce dtype)."""
@@ -112,22 +116,13 @@ class LinsEngine(DeepSpeedEngine):
         self._check_for_duplicates(basic)
         check_elementwise(basic, self.lins_config.elementwise_optimizer)  # the same verdict on every rank
         self.basic_optimizer = basic
-        param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
-        plan, summary, self._lins_solve, host_optimizer = start_plan(self, self.lins_config, self.lins_topology,
-                                                                     param_dtype, accum_dtype)
-        cands, decision = None, None
-        if self._lins_solve is not None and self.lins_config.seq_len is None:
-            self._lins_lengths = LengthWatch(self._lins_solve.train.seq_len)
-            summary += (f"\n  sequence length: {self._lins_solve.train.seq_len} until the first training batch, "
-                        "then the batches' (lins.seq_len not set)")
-        if self.lins_config.tuning and self._lins_solve is not None:
-            if self._lins_lengths is not None:
-                self._lins_tune_pending = True  # the candidates depend on the length: chosen at the first batch
-            else:
-                plan, summary, cands, decision = self._tune_start(plan, summary)
-        check = agree_on_plan(plan, self.lins_config.check_collectives or comm.check_requested(), self._settings())
+        facts = self._facts(basic)
+        object.__setattr__(self, "lins_planner", Planner(facts, self.lins_config))
+        plan, summary, check = self.lins_planner.first(
+            self._settings(), self.lins_config.check_collectives or comm.check_requested())
         notes = ("\n" + allocator if allocator else "") + ds_compat.clipping_note(self)
-        announce(summary + notes + misaligned_note(self.module, gemm_dtype(self, param_dtype)))
+        announce(summary + notes + misaligned_note(self.module, facts.gemm_dtype))
+        accum_dtype, reduce_dtype = facts.accum_dtype, facts.reduce_dtype
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
                                 device=torch.device(self.device), check_collectives=check,
@@ -136,16 +131,11 @@ class LinsEngine(DeepSpeedEngine):
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
-                                       dynamic_loss_args=self.dynamic_loss_scale_args(), host_optimizer=host_optimizer)
+                                       dynamic_loss_args=self.dynamic_loss_scale_args(),
+                                       host_optimizer=self.lins_planner.host_kind)
         ds_compat.finish_optimizer_setup(self)
         self._lins_attach()
-        if cands is not None:
-            self._start_tuner(cands, decision)
-
-    def _start_tuner(self, cands: list, decision) -> None:
-        ctx = self._lins_solve
-        self.lins_tuner = tune.Tuner(self.relayout, ctx, self.lins.plan, self.lins.device, cands,
-                                     self.lins_config.tune, ctx.mem.capacity_gb - ctx.mem.reserved_gb, decision)
+        self.lins_planner.start_trials(self.relayout, self.lins.plan)
 
     def _configure_bf16_optimizer(self, optimizer):
         """No optimizer, no bf16 wrapper (and its fp32 copies): a forward-only engine; else DeepSpeed's (never reached
@@ -156,10 +146,10 @@ class LinsEngine(DeepSpeedEngine):
         """An engine without an optimizer (TRL's reference models, frozen or inference models): forward only, every
         parameter in the units of a plan whose P dimension places it (sharded where memory asks); no G, no OS."""
         self._cap_allocator()
-        param_dtype, accum_dtype, reduce_dtype = self._lins_dtypes()
-        plan, summary = forward_only_plan(self, self.lins_config, self.lins_topology, param_dtype)
-        agree_on_plan(plan, settings=self._settings())
-        announce(summary)
+        facts = self._facts(None)
+        object.__setattr__(self, "lins_planner", Planner(facts, self.lins_config))
+        plan = self.lins_planner.forward_only(self._settings())
+        accum_dtype, reduce_dtype = facts.accum_dtype, facts.reduce_dtype
         every = [p for p in self.module.parameters()]
         self.lins = LinsRuntime(self.module, plan, [{"params": every}], accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
@@ -199,33 +189,6 @@ class LinsEngine(DeepSpeedEngine):
         if self.lins_config.solve or not own:
             recompute.apply(self.lins.layer_modules(), plan.activation_checkpointing_units, keep_own=own)
 
-    def _tune_start(self, plan, summary: str) -> tuple:
-        """(plan to start on, summary, candidates or None, (decision path, key) or None): a cached decision
-        for this job means no trials (rank 0 reads it, every rank gets it)."""
-        from ..profiler.cache import launch_key
-
-        cfg, ctx = self.lins_config, self._lins_solve
-        key = tune.decision_key(ctx, cfg, launch_key(ctx.topo, torch.device(self.device)),
-                                type(self.basic_optimizer).__name__)
-        path = tune.decision_path(key, tune.cache_dir(cfg)) if cfg.tune.cache else None
-        cached = None
-        if path is not None and comm.rank() == 0:
-            cached, why = tune.cached_plan(path, key, ctx)
-            if why:
-                warnings.warn(f"lins tune: the cached decision {path} is not used: {why}; tuning again",
-                              RuntimeWarning, stacklevel=2)
-        cached = comm.broadcast_object(cached.to_json() if cached is not None else None)
-        if cached is not None:
-            return (Plan.from_json(cached), summary + f"\n  tune: the cached decision {path} (no trials): "
-                    f"{Plan.from_json(cached).layout}", None, None)
-        cands = tune.candidates(ctx, cfg.tune.candidates)
-        if len(cands) < 2:
-            return plan, summary + "\n  tune: only one candidate fits; nothing to try", None, None
-        lines = [f"    {i}. {c.label} ({c.why}; predicted {c.predicted_step_s:.3f} s)" for i, c in enumerate(cands)]
-        summary += (f"\n  tune: {len(cands)} candidates, {cfg.tune.steps} optimizer steps each (the first untimed), "
-                    "then the fastest measured:\n" + "\n".join(lines))
-        return plan, summary, cands, (path, key) if path is not None else None
-
     def relayout(self, plan):
         """Move training onto ``plan`` in memory, at an accumulation boundary (after ``step()``); every rank
         calls it. Returns a ``RelayoutReport`` (time, extra device peak, host staging); on ``RelayoutError``
@@ -245,10 +208,8 @@ class LinsEngine(DeepSpeedEngine):
         before = self.global_steps
         with self._running():
             super().step(lr_kwargs=lr_kwargs)
-        if before == GUARD_AFTER_STEPS - 1 and self.global_steps == GUARD_AFTER_STEPS:
-            memory_guard.check(self.lins.plan, self._lins_solve, self.lins.device, self.lins.host_gb())
-        if self.lins_tuner is not None and self.global_steps != before and self.lins_tuner.after_step():
-            self.lins_tune_report, self.lins_tuner = self.lins_tuner.report, None
+        if self.lins_planner is not None and self.optimizer is not None:
+            self.lins_planner.after_step(before, self.global_steps, self.lins)
 
     def _broadcast_model(self):
         """DeepSpeed makes every rank start from rank 0's parameters. A model built without values (lins_ds.init,
@@ -260,8 +221,11 @@ class LinsEngine(DeepSpeedEngine):
     def forward(self, *args, **kwargs):
         if self.lins is not None and self.lins.destroyed:
             raise RuntimeError("lins: engine.destroy() was called; build a new engine to train again")
-        if self._lins_lengths is not None and self.module.training and torch.is_grad_enabled():
-            self._watch_length(batch_length(args, kwargs, self.train_micro_batch_size_per_gpu()))
+        planner = self.lins_planner
+        if planner is not None and planner.lengths is not None and self.module.training and torch.is_grad_enabled():
+            window_start = self.micro_steps % self.gradient_accumulation_steps() == 0
+            planner.on_batch(batch_length(args, kwargs, self.train_micro_batch_size_per_gpu()), window_start,
+                             self.global_steps, self.lins.plan, self.relayout, self.lins.set_host_optimizer)
         with self._running():
             out = super().forward(*args, **kwargs)
         if self.lins is not None and torch.is_grad_enabled():
@@ -284,42 +248,6 @@ class LinsEngine(DeepSpeedEngine):
             self.lins.drop_gradients()
         for p in self.lins.outside_units() if self.lins is not None else self.module.parameters():
             p.grad = None
-
-    # --- the sequence length the plan is sized for (lins.seq_len not set: runtime/startup/seq_len.py) -----
-    def _watch_length(self, length) -> None:
-        watch = self._lins_lengths
-        watch.see(length)
-        window_start = self.micro_steps % self.gradient_accumulation_steps() == 0
-        if not watch.due(window_start, self.global_steps):
-            watch.warn_if_longer(length)
-            return
-        longest = watch.agree(self.global_steps)
-        if longest is not None:
-            self._size_for_length(longest)
-
-    def _size_for_length(self, n: int) -> None:
-        """Size the plan for training batches of ``n`` tokens: re-solved from the start-up context (every rank alike),
-        moved onto in memory where what runs changes; then tuning starts where it waited for the length."""
-        watch, ctx, old = self._lins_lengths, self._lins_solve, self.lins.plan
-        first, before = not watch.settled, watch.planned
-        if n != ctx.train.seq_len:
-            plan, summary, self._lins_solve, host_kind = plan_for_length(self, self.lins_config, ctx, old, n)
-            if host_kind is not None:
-                self.lins.set_host_optimizer(host_kind)
-            rep = self.relayout(plan)  # the same execution: only this length's predictions change, nothing moves
-            moved = f"; moved onto it in {rep.seconds:.1f} s" if runs_differently(plan, old) else ""
-            why = "the first training batches are" if first else f"a training batch is longer than {before}:"
-            announce(f"lins: {why} {n} tokens long; plan re-sized for {n}{moved}\n{summary}")
-        watch.settled, watch.planned = True, n
-        if self._lins_tune_pending:
-            self._lins_tune_pending = False
-            plan, summary, cands, decision = self._tune_start(self.lins.plan, "lins tune (sequence length "
-                                                              f"{n}, from the training batches):")
-            announce(summary)
-            if plan is not self.lins.plan and runs_differently(plan, self.lins.plan):
-                self.relayout(plan)
-            if cands is not None:
-                self._start_tuner(cands, decision)
 
     # --- gradient flow ------------------------------------------------------------------------
     def _reduces_this_backward(self) -> bool:
@@ -390,6 +318,14 @@ class LinsEngine(DeepSpeedEngine):
             lins.destroy()
             zero_api.detach(self)
         super().destroy()
+
+
+def gemm_dtype(engine, param_dtype: str) -> torch.dtype:
+    """The dtype the model's GEMMs run in: DeepSpeed's ``torch_autocast`` dtype where it is on (its parameters may
+    stay fp32), else the parameters'."""
+    if getattr(engine, "torch_autocast_enabled", lambda: False)():
+        return engine.torch_autocast_dtype()
+    return dtypes.TORCH[param_dtype]
 
 
 def _visible_to_deepspeed(out) -> bool:

@@ -17,7 +17,7 @@ from deepspeed.utils import logger
 
 from ... import comm, dtypes
 from ...plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
-                     load_model, solve)
+                     load_model)
 from ...plan.context import SolveContext, check_placement as _check_placement, compute_for, reserved_gb
 from ...plan.offload import HostSpec, OffloadSpec, ladder, rungs_from, walk
 from ...plan.solver import NoFeasiblePlan, _gib
@@ -30,6 +30,7 @@ from ..step import host_optimizer, recompute
 from .assign import assign_units, find_layers
 from ..config import LinsConfig, LinsConfigError
 from ..step.masters import steps_per_parameter
+from .facts import LaunchFacts
 
 
 def _model_spec(module: torch.nn.Module, cfg: LinsConfig):
@@ -218,18 +219,16 @@ def offload_rungs(cfg: LinsConfig, host) -> list:
     return ladder(mode, host, fraction, grads, params)
 
 
-def solve_context(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-                  ckpt=None, table: Optional[ProfileTable] = None, offload: Optional[OffloadSpec] = None,
-                  seq_len: int = 0) -> SolveContext:
-    """The solver's inputs for this engine's model, batch, dtypes, optimizer and device (``offload``: one rung of
+def solve_context(facts: LaunchFacts, cfg: LinsConfig, ckpt=None, table: Optional[ProfileTable] = None,
+                  offload: Optional[OffloadSpec] = None, seq_len: int = 0) -> SolveContext:
+    """The solver's inputs for this launch's model, batch, dtypes, optimizer and device (``offload``: one rung of
     ``offload_rungs``; ``seq_len``: the length to size for, else ``start_seq_len``'s)."""
-    module = engine.module
+    module, topo = facts.module, facts.topology
     model = _model_spec(module, cfg)
-    train = TrainingSpec(seq_len or start_seq_len(module, cfg)[0], engine.train_micro_batch_size_per_gpu(),
-                         engine.gradient_accumulation_steps(), param_dtype, dtypes.name_of(accum_dtype),
-                         cfg.grad_reduce_dtype, activation_checkpointing=ckpt,
-                         optimizer_per_unit=steps_per_parameter(engine.basic_optimizer))
-    device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+    train = TrainingSpec(seq_len or start_seq_len(module, cfg)[0], facts.micro_batch, facts.grad_accum,
+                         facts.param_dtype, dtypes.name_of(facts.accum_dtype), cfg.grad_reduce_dtype,
+                         activation_checkpointing=ckpt, optimizer_per_unit=steps_per_parameter(facts.optimizer))
+    device = facts.device
     table = table or _timing_table(cfg, topo, model, train, device)
     acts, acts_note = activation_profile(module, cfg, train, device)
     reserved = reserved_gb(cfg.reserved_gb, device.type)
@@ -253,11 +252,9 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
             f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}")
 
 
-def solve_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-               offload=None, seq_len: int = 0) -> tuple:
+def solve_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int = 0) -> tuple:
     """(plan, summary, context) of the fastest plan that fits."""
-    context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, checkpoint_units(engine.module, cfg),
-                            offload=offload, seq_len=seq_len)
+    context = solve_context(facts, cfg, checkpoint_units(facts.module, cfg), offload=offload, seq_len=seq_len)
     return solved(context, cfg.seq_len is None)
 
 
@@ -277,25 +274,25 @@ def solved(context: SolveContext, inferred: bool) -> tuple:
     return sol.plan, summary, dataclasses.replace(context, solution=sol)
 
 
-def fixed_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-               offload=None, seq_len: int = 0) -> tuple:
+def fixed_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int = 0) -> tuple:
     """(plan, summary, context or None) of the config's fixed layout, with the memory the planner predicts
     for it where the model's shape is known (lins.model or a Hugging Face config)."""
+    topo = facts.topology
     layout = cfg.layout(topo)
-    n = len(layer_units(engine.module, cfg))
+    n = len(layer_units(facts.module, cfg))
     ck = cfg.activation_checkpointing
     k = 0 if ck is None else (n if ck is True else 0 if ck is False else ck)
     if k > n:
         raise LinsConfigError(f"lins.activation_checkpointing: {k} layer units, but the model has {n}")
-    plan = Plan(topo, layout, k, param_dtype, dtypes.name_of(accum_dtype), model=type(engine.module).__name__,
-                profile_source="fixed in config", num_layers=n)
+    plan = Plan(topo, layout, k, facts.param_dtype, dtypes.name_of(facts.accum_dtype),
+                model=type(facts.module).__name__, profile_source="fixed in config", num_layers=n)
     summary = _fixed_summary(plan)
     spec = offload if offload is not None else OffloadSpec()
     if spec.mode == "fixed":
         check_placement(spec, layout, topo)
     try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
         table = get_cluster(cfg.cluster).table(cost.required_meshes(topo, [layout]))
-        context = solve_context(engine, cfg, topo, param_dtype, accum_dtype, k, table, offload, seq_len)
+        context = solve_context(facts, cfg, k, table, offload, seq_len)
     except PlanError as e:  # a prediction never blocks a fixed plan; a fixed offload still applies
         if spec.mode == "fixed":
             plan = dataclasses.replace(plan, offload_units=spec.choices(n + 1)[0],
@@ -336,30 +333,29 @@ class NoPlanFits(LinsConfigError):
     """No plan fits the GPU budget (with the offload the solver was offered)."""
 
 
-def make_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype,
-              seq_len: int = 0) -> tuple:
+def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
     """(plan, summary, solve context or None, host optimizer kind): solved, or the fixed layout of the config, on the
     first rung of lins.offload's ladder that fits (``offload_rungs``, walked by ``plan.offload.walk``: "auto" offers
     offload only where no GPU-resident plan fits; a fixed offload is its one rung)."""
     build = solve_plan if cfg.solve else fixed_plan
-    host = HostProbe(engine.basic_optimizer, cfg, torch.device(engine.device), _grad_dtypes(cfg, param_dtype, accum_dtype))
+    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype))
 
     def attempt(spec: OffloadSpec) -> tuple:
-        plan, summary, context = build(engine, cfg, topo, param_dtype, accum_dtype, spec, seq_len=seq_len)
+        plan, summary, context = build(facts, cfg, spec, seq_len=seq_len)
         fits = cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb
         return (plan, summary, context, host.kind if spec.mode != "off" else "torch"), fits
 
     return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
 
 
-def start_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
+def start_plan(facts: LaunchFacts, cfg: LinsConfig) -> tuple:
     """``make_plan`` at start-up. Where the training batches will decide the length (lins.seq_len not set) and no
     plan fits the provisional one, shorter lengths are tried, down to ``SHORTEST_START_SEQ``: the first batch
     re-sizes the plan anyway, and fails then, naming its length, if it does not fit."""
-    seq, inferred = start_seq_len(engine.module, cfg) if cfg.solve else (0, False)
+    seq, inferred = start_seq_len(facts.module, cfg) if cfg.solve else (0, False)
     while True:
         try:
-            return make_plan(engine, cfg, topo, param_dtype, accum_dtype, seq_len=seq)
+            return make_plan(facts, cfg, seq_len=seq)
         except NoPlanFits:
             if not inferred or seq <= SHORTEST_START_SEQ:
                 raise
@@ -372,46 +368,41 @@ SHORTEST_START_SEQ = 128
 FORWARD_SHARE = 0.5  # of the device memory left, what a forward-only engine's parameters may take unsharded
 
 
-def forward_only_plan(engine, cfg: LinsConfig, topo: Topology, param_dtype: str) -> tuple:
+def forward_only_plan(facts: LaunchFacts, cfg: LinsConfig) -> tuple:
     """(plan, summary) of an engine without an optimizer (a reference, frozen or inference model): only P matters.
     A fixed plan's P is kept; else P is replicated where the parameters take at most ``FORWARD_SHARE`` of the memory
     still free (a training engine may be there already), else sharded inside a node, else over every rank."""
     from ...plan import Factor, Layout
 
-    need = sum(p.numel() * p.element_size() for p in engine.module.parameters()) / 2**30
-    device = torch.device(engine.device)
+    topo, param_dtype, module, device = facts.topology, facts.param_dtype, facts.module, facts.device
+    need = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**30
     if not cfg.solve:
         p = cfg.layout(topo).p
         why = "fixed in config"
     else:
         free = _memory_gb(cfg, device) - reserved_gb(cfg.reserved_gb, device.type)
         if device.type == "cuda":  # what another engine holds; this model, already moved here, is not counted
-            mine = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.device.type == "cuda")
+            mine = sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type == "cuda")
             free -= (torch.cuda.memory_allocated(device) - mine) / 2**30
         free = min(comm.all_gather_object(free))  # every rank the same choice
         sizes = [Factor(1, 1), Factor(topo.gpus_per_node, 1), Factor(topo.gpus_per_node, topo.nodes)]
         p = next((f for f in sizes if need / f.size <= FORWARD_SHARE * free), sizes[-1])
         why = f"parameters {need:.2f} GiB, {max(free, 0):.2f} GiB free"
     layout = Layout(p, p, p)
-    plan = Plan(topo, layout, 0, param_dtype, param_dtype, model=type(engine.module).__name__,
-                profile_source="forward only", num_layers=len(layer_units(engine.module, cfg)))
+    plan = Plan(topo, layout, 0, param_dtype, param_dtype, model=type(module).__name__,
+                profile_source="forward only", num_layers=len(layer_units(module, cfg)))
     return plan, (f"Lins plan (forward only: no optimizer) on {topo.nodes} node(s) x {topo.gpus_per_node}: "
                   f"P={p} ({why})")
 
 
-def _grad_dtypes(cfg: LinsConfig, param_dtype: str, accum_dtype: torch.dtype) -> tuple:
-    return accum_dtype, dtypes.TORCH[cfg.grad_reduce_dtype or param_dtype]
-
-
-def plan_for_length(engine, cfg: LinsConfig, context: SolveContext, plan: Plan, seq_len: int) -> tuple:
+def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, plan: Plan, seq_len: int) -> tuple:
     """(plan, summary, context, host optimizer kind or None) sized for ``seq_len`` from the start-up ``context``
     (its timing table, activation profile and offload: nothing is measured again, except the host where offload
     becomes necessary, on every rank alike). The ladder is walked from the rung the context stands on. A fixed layout
     keeps its layout and checkpointing."""
     context = dataclasses.replace(context, train=dataclasses.replace(context.train, seq_len=seq_len), solution=None)
     inferred = cfg.seq_len is None
-    host = HostProbe(engine.basic_optimizer, cfg, torch.device(engine.device),
-                     _grad_dtypes(cfg, plan.param_dtype, dtypes.TORCH[plan.grad_dtype]), context.offload.host)
+    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), context.offload.host)
 
     def attempt(spec: OffloadSpec) -> tuple:
         ctx = dataclasses.replace(context, offload=spec)
@@ -447,14 +438,6 @@ def agree_on_plan(plan: Plan, check_collectives: bool = False, settings: Optiona
         raise LinsConfigError(f"lins: ranks computed different plans (digests {digests}); "
                               "check that every rank sees the same config, model and profile")
     return any(c for _, c, _ in views)
-
-
-def gemm_dtype(engine, param_dtype: str) -> torch.dtype:
-    """The dtype the model's GEMMs run in: DeepSpeed's ``torch_autocast`` dtype where it is on (its parameters may
-    stay fp32), else the parameters'."""
-    if getattr(engine, "torch_autocast_enabled", lambda: False)():
-        return engine.torch_autocast_dtype()
-    return dtypes.TORCH[param_dtype]
 
 
 def misaligned_note(module: torch.nn.Module, dtype: torch.dtype) -> str:
