@@ -274,11 +274,11 @@ def failing_candidates_run(tmp: str) -> dict:
 
         real_build, real_unit, fail = rt_module.LinsRuntime._rebuild, rt_module.build_unit, []
 
-        def build(runtime, plan, staged, on_change):
+        def build(runtime, plan, staged):
             builds.append(plan.layout)
             if len(builds) == 2:
                 fail.append(True)
-            return real_build(runtime, plan, staged, on_change)
+            return real_build(runtime, plan, staged)
 
         def unit(*args, **kwargs):
             if fail:

@@ -24,7 +24,6 @@ from ..checkpoint.load import load
 from ..checkpoint.save import save
 from ..plan.layout import needs_unsorted_groups
 from ..runtime.memory import memory_guard
-from ..runtime.step import recompute
 from ..runtime.step.executor import grad_tensors
 from ..runtime.config import LinsConfigError, lins_block, parse_lins_config
 from ..runtime.startup.facts import LaunchFacts
@@ -126,8 +125,8 @@ class LinsEngine(DeepSpeedEngine):
         self.lins = LinsRuntime(self.module, plan, basic.param_groups, accum_dtype, reduce_dtype,
                                 self.lins_config.unit_modules, self.lins_config.overlap_param_sync,
                                 device=torch.device(self.device), check_collectives=check,
-                                ends_window=self._reduces_this_backward, init=self.lins_config.init)
-        self._apply_checkpointing(plan)
+                                ends_window=self._reduces_this_backward, init=self.lins_config.init,
+                                checkpointing=self._checkpointing())
         self.optimizer = LinsOptimizer(basic, self.lins, clip=self.gradient_clipping(), fp16=self.fp16_enabled(),
                                        static_loss_scale=self.loss_scale(),
                                        dynamic_loss_scale=self.dynamic_loss_scale(),
@@ -182,12 +181,11 @@ class LinsEngine(DeepSpeedEngine):
             elif m.__dict__.get("_is_fsdp_managed_module"):
                 del m._is_fsdp_managed_module
 
-    def _apply_checkpointing(self, plan) -> None:
-        """The plan's activation checkpointing on the layer modules (where Lins decides it: a solved plan, or
-        lins.activation_checkpointing set). A count the model set itself keeps the model's units."""
+    def _checkpointing(self):
+        """Where Lins decides activation checkpointing (a solved plan, or lins.activation_checkpointing set): whether
+        a count the model set itself keeps the model's units; else None (the runtime leaves the modules alone)."""
         own = self.lins_config.activation_checkpointing is None
-        if self.lins_config.solve or not own:
-            recompute.apply(self.lins.layer_modules(), plan.activation_checkpointing_units, keep_own=own)
+        return own if self.lins_config.solve or not own else None
 
     def relayout(self, plan):
         """Move training onto ``plan`` in memory, at an accumulation boundary (after ``step()``); every rank
@@ -197,7 +195,7 @@ class LinsEngine(DeepSpeedEngine):
             raise LinsConfigError("relayout: only at an accumulation boundary (after engine.step()), micro-step "
                                   f"{self.micro_steps} is inside a window of {self.gradient_accumulation_steps()}")
         try:
-            return self.lins.apply(plan, on_device_change=self._apply_checkpointing)
+            return self.lins.apply(plan)
         finally:
             self._lins_attach()
 

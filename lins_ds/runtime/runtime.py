@@ -31,7 +31,7 @@ from ..plan.tune import label
 from .errors import RelayoutError
 from .startup import init_replay
 from .startup.assign import assign_units, build_unit
-from .step import staging
+from .step import recompute, staging
 from .step.executor import Executor, Phase, Progress
 from .startup.materialize import Materializer, is_deferred
 from .step.masters import Masters
@@ -58,13 +58,18 @@ class LinsRuntime:
     def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True,
                  device: Optional[torch.device] = None, check_collectives: bool = False,
-                 ends_window: Callable[[], bool] = lambda: True, init: str = "eager", forward_only: bool = False):
+                 ends_window: Callable[[], bool] = lambda: True, init: str = "eager", forward_only: bool = False,
+                 checkpointing: Optional[bool] = None):
         """``ends_window()``, asked once as each backward starts: does this backward end an accumulation
         window (the engine knows: its micro-step count, ``no_sync``). ``forward_only``: an engine without an
-        optimizer, whose units hold every parameter (frozen ones too) and take no gradient."""
+        optimizer, whose units hold every parameter (frozen ones too) and take no gradient. ``checkpointing``: where
+        Lins decides activation checkpointing (a solved plan, or lins.activation_checkpointing set), whether a count
+        the model set itself keeps the model's own units (``recompute.apply``'s ``keep_own``); None: the modules are
+        left as the model has them. Every plan applied then sets its checkpointing on the layer modules."""
         self.module, self.overlap_param_sync, self._ends_window = module, overlap_param_sync, ends_window
         self._accum_dtype, self._reduce_dtype, self._unit_modules = accum_dtype, reduce_dtype, unit_modules
         self._check_collectives = check_collectives
+        self._checkpointing = checkpointing
         self._checks = 0
         self.forward_only = forward_only
         self._group_of = {}
@@ -89,6 +94,12 @@ class LinsRuntime:
             # the units' parameters replaced the meta ones: a re-layout finds them by the new objects
             self._group_of = {s.param: s.group for u in self.units for s in u.slots}
         self._start = None
+        self._set_checkpointing(plan)
+
+    def _set_checkpointing(self, plan: Plan) -> None:
+        """The plan's activation checkpointing on the layer modules, where Lins decides it (``checkpointing``)."""
+        if self._checkpointing is not None:
+            recompute.apply(self.layer_modules(), plan.activation_checkpointing_units, keep_own=self._checkpointing)
 
     def _build(self, plan: Plan, mat: Optional[Materializer], device: Optional[torch.device]) -> None:
         """Groups first (every rank creates them, in one order), then the units (local: no collective)."""
@@ -187,12 +198,12 @@ class LinsRuntime:
         self.host.forget()
 
     # --- the one way a plan takes effect (docs/design.md §14) ---------------------------------------------------
-    def apply(self, plan: Plan, on_device_change: Optional[Callable] = None) -> Optional[RelayoutReport]:
+    def apply(self, plan: Plan) -> Optional[RelayoutReport]:
         """Make ``plan`` the running plan. At start-up: build it. Later every rank calls it at an accumulation boundary
         (after ``step()``): a plan that runs the same (only its predictions differ) replaces the old at once; under the
         same layout only the units whose OS, G or P change place move, one at a time; another layout is staged,
-        rebuilt and filled (``step/staging.py``). ``on_device_change(plan)`` re-applies what lives on the modules
-        (activation checkpointing). A failure on any rank is every rank's: each goes back to the running plan, its
+        rebuilt and filled (``step/staging.py``); the plan's activation checkpointing is set on the modules with its
+        units (``_set_checkpointing``). A failure on any rank is every rank's: each goes back to the running plan, its
         state intact, and raises ``RelayoutError``."""
         if self.plan is None:
             return self._first(plan)
@@ -212,11 +223,11 @@ class LinsRuntime:
         self.settle()
         old = self.plan
         if plan.layout == old.layout:
-            self._switch(lambda p: self._move(p, on_device_change), plan, old)
+            self._switch(self._move, plan, old)
             return _report(dev, t0, base, 0)
         new_state, old_state = staging.stage(self.units, self.masters, self.topo, self.groups.rank, self.device,
                                              [plan.layout, old.layout])
-        self._switch(lambda p: self._rebuild(p, new_state if p is plan else old_state, on_device_change), plan, old)
+        self._switch(lambda p: self._rebuild(p, new_state if p is plan else old_state), plan, old)
         self.sync_parameters()
         self.wait()
         return _report(dev, t0, base, staging.nbytes(new_state, old_state))
@@ -234,26 +245,24 @@ class LinsRuntime:
             self.sync_parameters()
         raise RelayoutError(f"relayout to {_describe(plan)} failed on a rank ({error}); back on {_describe(old)}")
 
-    def _move(self, plan: Plan, on_device_change: Optional[Callable]) -> None:
+    def _move(self, plan: Plan) -> None:
         """The same layout: units, groups and hooks stay; the units whose OS changes place move with their state (to
         the host first, then to the device, one unit at a time), their G and P with them."""
         self._place(plan)
-        if on_device_change is not None:
-            on_device_change(plan)
+        self._set_checkpointing(plan)
         if self.masters is not None:
             self.host.place_updater(self._basic, self._host_kind, [])  # its pinned copies go with the slices moved
             self.masters.place(self.units, self.host_units)
             self._place_updater()
 
-    def _rebuild(self, plan: Plan, staged: "staging.Staged", on_device_change: Optional[Callable]) -> None:
+    def _rebuild(self, plan: Plan, staged: "staging.Staged") -> None:
         """Another layout: the optimizer's state dropped first (the staging holds it), so that the device never
         holds two plans'; this plan's units, groups and hooks torn down; ``plan``'s built and filled."""
         if self.masters is not None:
             self.masters.release()
         self._teardown()
         self._build(plan, None, self.device)
-        if on_device_change is not None:
-            on_device_change(plan)
+        self._set_checkpointing(plan)
         if self._basic is not None:
             self._make_masters()
             staging.fill(self.units, self.masters, staged)
