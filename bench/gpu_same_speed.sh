@@ -20,7 +20,7 @@ run() {  # run <tree dir> <name> <args...>
     -m bench.train "${M[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc $?" >> "$OUT/$name.log")
   grep -E "rc |Error" "$OUT/$name.log" | tail -2 | sed "s/^/$name: /"
 }
-for i in 1 2; do
+for i in $(seq 1 "${ROUNDS:-2}"); do
   for tree in old new; do
     dir=$([ $tree = old ] && echo /tmp/old || echo "$NEW")
     run "$dir" "resident_${tree}_$i" --deepspeed_config ds_configs/lins.json

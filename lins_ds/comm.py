@@ -189,6 +189,9 @@ class Groups:
                        if delay > 0 and len({node(r) for r in ranks}) > 1}
         if delay > 0 and topo.nodes > 1:
             self._delay["world"] = delay
+        # where P is partitioned, the calls that gather first meet here (docs/design.md §4): every rank creates them
+        self.arrival = Arrival(all_groups(topo, layout, "p"), self.rank, "P group") if layout.p.size > 1 else None
+        _world_arrival()  # a save's and a load's (every rank is here)
 
     def size(self, kind: str) -> int:
         return len(self.members[kind])
@@ -212,6 +215,8 @@ class Groups:
         for pg in self._pg.values():
             destroy_group(pg)
         self._pg.clear()
+        if self.arrival is not None:
+            self.arrival.destroy()
         self.destroyed = True
 
 
@@ -289,21 +294,167 @@ def max_over_world_cpu(x: int) -> int:
     return int(t.item())
 
 
-ARRIVE_TIMEOUT_ENV = "LINS_ARRIVE_TIMEOUT_S"  # how long all_ranks_arrive waits for the others (default 600 s:
-# NCCL's own default timeout, so ranks merely late, say after an evaluation on rank 0, are not failed)
+ARRIVE_TIMEOUT_ENV = "LINS_ARRIVE_TIMEOUT_S"  # how long a call that gathers waits for the other ranks (``Arrival``)
+ARRIVE_TIMEOUT_S = 30.0  # a default of seconds, not NCCL's 10 minutes: a rank left alone in a gather learns it soon
+ARRIVAL_GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default: what a training forward may wait (gloo's)
 
 
-def all_ranks_arrive(why: str) -> None:
-    """Before a collective only some ranks may reach (a gather inside ``state_dict``): wait for every rank at a
-    monitored barrier, and where one does not come, raise naming it and ``why``, instead of hanging."""
-    if world_size() == 1:
-        return
-    timeout = float(os.environ.get(ARRIVE_TIMEOUT_ENV, "600") or 600)
+def arrive_timeout() -> float:
+    """``LINS_ARRIVE_TIMEOUT_S`` (seconds; 0 turns the arrival check off)."""
+    raw = os.environ.get(ARRIVE_TIMEOUT_ENV, "").strip()
     try:
-        tdist.monitored_barrier(group=_cpu_group(), timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
-    except RuntimeError as e:
-        raise RuntimeError(f"lins: not every rank got here within {timeout:g} s ({ARRIVE_TIMEOUT_ENV}): {why}. "
-                           f"[{str(e).splitlines()[0]}]") from None
+        return float(raw) if raw else ARRIVE_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{ARRIVE_TIMEOUT_ENV}={raw!r}: a number of seconds (0 turns the check off)") from None
+
+
+class ArrivalError(RuntimeError):
+    """A call that every rank of a group must make was not made by every one (raised on each rank that made it)."""
+
+
+class Arrival:
+    """Every rank of a group at the same call before it gathers (docs/design.md §4, "Rank-0-only gathers fail, not
+    hang"). Under a plan that partitions P, a forward, ``generate`` and ``state_dict()`` gather over the P group (and a
+    save or load agrees over the world): a call some ranks make alone would wait in that collective (NCCL: 10 minutes,
+    silently), or, worse, be matched by the other ranks' own gathers of their next training step. So each such call
+    first exchanges, over a gloo group of its own (one per P group, or the world; on the host: no device work waits), 4
+    integers per rank: which call, when it came, how long it waits, the rank. Every rank decides from the same
+    integers, so all of those that came fail together where:
+
+    - the ranks are in different calls (rank 0 in ``generate``, rank 1 in its next training forward): at once;
+    - a rank waited ``LINS_ARRIVE_TIMEOUT_S`` (30 s) in vain: it raises then; a rank that comes later receives what
+      that rank sent (it stays delivered), sees the wait ran out, and raises too.
+
+    A training forward (train mode, gradients on), a save and a load warn after ``LINS_ARRIVE_TIMEOUT_S`` and wait on,
+    as long as the group's collectives do (30 minutes): a partner may be legitimately late there (rank 0 logging, or
+    writing the Trainer's model files before every rank saves the checkpoint); every other call waits
+    ``LINS_ARRIVE_TIMEOUT_S``. After a failure the group is out of step (an exchange abandoned on one rank): it is
+    aborted, and every later call on it fails at once. Cost: one gloo AllGather of 4 integers per call, on the host
+    (``Executor`` makes it once per optimizer step for training forwards, once per ``generate``)."""
+
+    TRAINING = "forward (training: train mode, gradients on)"
+    FORWARD = "forward (evaluation: eval mode or no gradients; generate's steps)"
+    GENERATE = "generate()"
+    STATE_DICT = "state_dict()"
+    SAVE = "save_checkpoint()"
+    LOAD = "load_checkpoint()"
+    CALLS = (TRAINING, FORWARD, GENERATE, STATE_DICT, SAVE, LOAD)
+    # calls a rank may legitimately wait long at (its partner busy alone: rank 0 writing the Trainer's model files
+    # before everyone saves the checkpoint): they warn after LINS_ARRIVE_TIMEOUT_S and wait on; the others fail then
+    WAITS_ON = (TRAINING, SAVE, LOAD)
+
+    def __init__(self, groups, rank: int, what: str):
+        """``groups``: every group's ranks (each rank creates every group, in this order); ``what`` names them."""
+        self.rank, self.what, self.pg, self.members, self.failed = rank, what, None, (), None
+        for ranks in groups:
+            if len(ranks) == 1:
+                continue
+            pg = tdist.new_group(sorted(ranks), backend="gloo", timeout=ARRIVAL_GROUP_TIMEOUT)
+            if rank in ranks:
+                self.pg, self.members = pg, tuple(sorted(ranks))
+
+    @property
+    def _who(self) -> str:
+        return f"{self.what} (ranks {list(self.members)})"
+
+    def check(self, call: str, fix: str) -> None:
+        """Return once every rank of this rank's group is at ``call`` (one of ``CALLS``); else ``ArrivalError`` naming
+        the call, the ranks and ``fix``, on every rank that came. Nothing where the check is off."""
+        timeout = arrive_timeout()
+        if self.pg is None or timeout <= 0:
+            return
+        if self.failed is not None:
+            raise ArrivalError(f"lins: {call} on rank {self.rank}: its {self._who} has been out of step since an "
+                               f"earlier call failed ({self.failed}); nothing more is issued on it: end the job on "
+                               "every rank")
+        patience = None if call in self.WAITS_ON else timeout
+        mine = torch.tensor([self.CALLS.index(call), int(time.time() * 1000),
+                             -1 if patience is None else int(patience * 1000), self.rank], dtype=torch.int64)
+        rows = torch.empty(len(self.members) * 4, dtype=torch.int64)
+        t0 = time.monotonic()
+        try:
+            work = _ALL_GATHER(rows, mine, group=self.pg, async_op=True)
+            if not _wait(work, timeout, t0):
+                if patience is not None:
+                    self._abort()  # what this rank sent stays delivered: a rank that comes later reads it
+                    self._fail(f"lins: {call} on rank {self.rank}: not every rank of its {self._who} came to it "
+                               f"within {patience:g} s ({ARRIVE_TIMEOUT_ENV}). Every one of them must call it: {fix}. "
+                               f"A rank that is only late (busy alone, say evaluating or writing files on rank 0) "
+                               f"fails this check too: raise {ARRIVE_TIMEOUT_ENV} (0 turns the check off; a missing "
+                               "rank then hangs)")
+                minutes = ARRIVAL_GROUP_TIMEOUT.total_seconds() / 60
+                warnings.warn(f"lins: {call} on rank {self.rank} has waited {timeout:g} s ({ARRIVE_TIMEOUT_ENV}) for "
+                              f"the other ranks of its {self._who}; it waits on (a rank may be busy alone), but if "
+                              f"they never come (a call some ranks make alone) it fails after {minutes:g} min: {fix}",
+                              RuntimeWarning, stacklevel=2)
+                work.wait()
+        except ArrivalError:
+            raise
+        except RuntimeError as e:
+            self._abort()
+            self._fail(f"lins: {call} on rank {self.rank}: another rank of its {self._who} failed, or gave up waiting "
+                       f"at a call not every rank made ({str(e).splitlines()[0][:200]})")
+        self._decide(call, rows.view(-1, 4).tolist(), fix)
+
+    def _decide(self, call: str, rows: list, fix: str) -> None:
+        names = {r: self.CALLS[code] for code, _, _, r in rows}
+        if len(set(names.values())) > 1:
+            calls = ", ".join(f"rank {r} in {c}" for r, c in sorted(names.items()))
+            self._fail(f"lins: the ranks of a {self._who} are in different calls: {calls}. Every one of them must "
+                       f"make the same calls, in the same order: {fix}")
+        latest = max(t for _, t, _, _ in rows)
+        for _, came, waits, r in rows:
+            if waits >= 0 and latest - came > waits - min(2000, waits // 4):  # r's own wait ran out (or about to)
+                self._fail(f"lins: {call} on rank {self.rank}: rank {r} stopped waiting for the others after "
+                           f"{waits / 1000:g} s ({ARRIVE_TIMEOUT_ENV}) and raised; the last rank came "
+                           f"{(latest - came) / 1000:.1f} s after it. Every rank of the {self._who} must make this "
+                           f"call, at most {ARRIVE_TIMEOUT_ENV} apart: {fix}")
+
+    def _fail(self, message: str) -> None:
+        self.failed = self.failed or message.split(". ")[0]
+        raise ArrivalError(message)
+
+    def _abort(self) -> None:
+        """An exchange this rank abandons would keep gloo's worker (and a later destroy, which joins it) waiting."""
+        with contextlib.suppress(Exception):
+            self.pg.abort()
+
+    def destroy(self) -> None:
+        if self.pg is not None:
+            destroy_group(self.pg)
+            self.pg = None
+
+
+def _wait(work, seconds: float, t0: float) -> bool:
+    """Wait for ``work`` up to ``seconds`` after ``t0``: whether it completed (False: the time ran out; a failure
+    raises)."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
+        return True
+    except RuntimeError:
+        if time.monotonic() - t0 < 0.99 * seconds:  # not the timeout: the exchange itself failed
+            raise
+        return False
+
+
+_WORLD_ARRIVAL: dict = {}  # the world group -> an Arrival over every rank (save, load)
+
+
+def _world_arrival() -> Arrival:
+    """An Arrival over every rank, made at the first call under this world (``Groups`` makes that call, where every
+    rank is, like ``_cpu_group``)."""
+    world = tdist.group.WORLD
+    if world not in _WORLD_ARRIVAL:
+        _WORLD_ARRIVAL.clear()
+        _WORLD_ARRIVAL[world] = Arrival([list(range(world_size()))], rank(), "world")
+    return _WORLD_ARRIVAL[world]
+
+
+def all_ranks_arrive(call: str, fix: str) -> None:
+    """Every rank at ``call`` (``Arrival.SAVE``, ``Arrival.LOAD``): a warning after ``LINS_ARRIVE_TIMEOUT_S`` where one
+    is missing, ``ArrivalError`` naming ``fix`` where one is in another call, has left, or never comes (``Arrival``)."""
+    if world_size() > 1:
+        _world_arrival().check(call, fix)
 
 
 def max_over_world(x: float, device) -> float:

@@ -218,7 +218,7 @@ def state_dict_on_rank0_only():
 def test_state_dict_on_one_rank_fails_clearly(monkeypatch):
     monkeypatch.setenv(comm.ARRIVE_TIMEOUT_ENV, "2")
     msg = run(state_dict_on_rank0_only, 2, gpus_per_node=2)[0]
-    assert "every rank must call it" in msg and "within 2 s" in msg, msg
+    assert "Every one of them must call it" in msg and "within 2 s" in msg and "state_dict()" in msg, msg
 
 
 # --- an engine without an optimizer (TRL's reference models) ----------------------------------------------------

@@ -67,11 +67,13 @@ G_GRID = [  # placement, start: the result of each of G_OPS, in order
     ("whole", AC, [AC, RD, ERR, RR, ERR, AC, NOOP]),  # s_g == 1: start_reduce straight to REDUCED
     ("whole", RD, [AC, ERR, ERR, RR, ERR, AC, NOOP]),
     ("whole", RR, [ERR, ERR, ERR, ERR, FI, ERR, FI]),
-    ("whole", FI, [ERR, ERR, ERR, ERR, ERR, AC, NOOP]),
+    # begin_backward from FINAL: another backward over the window's last micro-batch (engine.backward twice on one
+    # forward); the window's sum stays on the first replica only (zeros elsewhere), counted once by the next AllReduce
+    ("whole", FI, [AC, ERR, ERR, ERR, ERR, AC, NOOP]),
     ("sharded", AC, [AC, RI, ERR, FI, ERR, AC, NOOP]),  # one replica: start_replica_reduce straight to FINAL
     ("sharded", RI, [ERR, ERR, RD, ERR, ERR, ERR, RD]),
     ("sharded", RD, [AC, ERR, ERR, FI, ERR, AC, NOOP]),
-    ("sharded", FI, [ERR, ERR, ERR, ERR, ERR, AC, NOOP]),
+    ("sharded", FI, [AC, ERR, ERR, ERR, ERR, AC, NOOP]),
 ]
 
 P_ROWS = [("param", pl, start, op, want) for pl, start, wants in P_GRID for op, want in zip(P_OPS, wants)] + \

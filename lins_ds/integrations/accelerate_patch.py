@@ -9,8 +9,9 @@ Trainer fails DeepSpeed's batch check), and nothing is sharded.
 
 Fix: in exactly that situation — no accelerator, ``cpu=False``, a launcher's LOCAL_RANK, DeepSpeed on —
 report the gloo backend and MULTI_CPU, which is what DeepSpeed itself uses there, when the program imported
-lins_ds or the DeepSpeed config is a Lins one (installed, lins_ds changes no other program's runs). Every other
-case goes to accelerate unchanged.
+lins_ds or the DeepSpeed config is a Lins one (installed, lins_ds changes no other program's runs): the Trainer's, the
+config file ``accelerate launch`` names, or a ``DeepSpeedPlugin(hf_ds_config=...)`` the script builds before its
+``Accelerator``. Every other case goes to accelerate unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import weakref
 
 import torch
 
@@ -44,13 +46,36 @@ def _is_lins(config) -> bool:
     return isinstance(config, dict) and lins_block(config) is not None
 
 
+_lins_plugins: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # id -> a live Lins DeepSpeedPlugin
+
+
 def _lins_config_in_play() -> bool:
     """The DeepSpeed config accelerate is about to use has a ``lins`` block: the HF Trainer's (its
-    TrainingArguments being built, or a live HfDeepSpeedConfig) or ``accelerate launch``'s config file."""
+    TrainingArguments being built, or a live HfDeepSpeedConfig), ``accelerate launch``'s config file, or a
+    ``DeepSpeedPlugin`` the script built itself (``DeepSpeedPlugin(hf_ds_config=<a Lins config>)``, then
+    ``Accelerator(deepspeed_plugin=...)``: accelerate's state is made after the plugin)."""
     from .sharded_init import _hf_lins_config
 
     return (_building_lins_args.get() or _hf_lins_config() is not None
-            or _is_lins(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")))
+            or _is_lins(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")) or len(_lins_plugins) > 0)
+
+
+def install_plugin() -> None:
+    """Note every ``DeepSpeedPlugin`` built with a Lins config (a dict or a JSON file's path; accelerate reads either
+    into ``deepspeed_config``) while it lives: the in-script form of ``accelerate launch``'s config file."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    original = DeepSpeedPlugin.__post_init__
+    if getattr(original, "_lins_patched", False):
+        return
+
+    def __post_init__(self):
+        original(self)
+        if _is_lins(getattr(self, "deepspeed_config", None)):
+            _lins_plugins[id(self)] = self
+
+    __post_init__._lins_patched = True
+    DeepSpeedPlugin.__post_init__ = __post_init__
 
 
 def install_training_args() -> None:
@@ -95,3 +120,4 @@ def install() -> None:
 
     _prepare_backend._lins_patched = True
     PartialState._prepare_backend = _prepare_backend
+    install_plugin()

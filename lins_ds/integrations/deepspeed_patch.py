@@ -95,8 +95,66 @@ def _say_once(message: str) -> None:
         _say(message)
 
 
+def _lins_checkpoint_refusal(engine, load_dir, tag):
+    """The message for a Lins checkpoint that plain DeepSpeed ``engine`` is asked to load (None for anything else):
+    ``load_dir``/``tag`` resolved as DeepSpeed resolves them (``latest``, or ``latest_universal`` under its
+    ``load_universal``)."""
+    import glob
+
+    from ..checkpoint.formats import LATEST_UNIVERSAL, LINS, identify
+    from ..checkpoint.layout_free import LATEST
+
+    if not isinstance(load_dir, (str, os.PathLike)) or not os.path.isdir(load_dir):
+        return None
+    if tag is None:
+        pointer = os.path.join(load_dir, LATEST_UNIVERSAL if engine.load_universal_checkpoint() else LATEST)
+        try:
+            with open(pointer) as f:
+                tag = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+    path = os.path.join(load_dir, str(tag))
+    found = identify(path) if os.path.isdir(path) else None
+    if found is None or found.kind != LINS or glob.glob(os.path.join(path, "*model_states.pt")):
+        return None
+    script = os.path.join(load_dir, "zero_to_fp32.py")
+    weights = f"`lins-ds consolidate {load_dir} OUT_DIR --tag {tag}`" + (
+        f" (or `python {script} {load_dir} OUT_DIR --tag {tag}`)" if os.path.isfile(script) else "")
+    return (f"load_checkpoint: {path} is a Lins checkpoint (lins_ds' own format: meta.json and one shard file per "
+            f"writing rank), which this DeepSpeed engine (ZeRO stage {engine.zero_optimization_stage()}; its config "
+            "has no \"lins\" block) cannot read. To resume it under DeepSpeed, convert it to DeepSpeed's universal "
+            f"format: `lins-ds convert {load_dir} OUT_DIR --tag {tag} --to deepspeed-universal`, then load OUT_DIR "
+            "(the same tag) with \"checkpoint\": {\"load_universal\": true} in the config; for the weights alone, "
+            + weights + "; or resume under Lins: add the \"lins\" block to this run's DeepSpeed config "
+            "(docs/checkpoints.md)")
+
+
+def _refuse_lins_checkpoints() -> None:
+    """DeepSpeed's own ``load_checkpoint`` (a ZeRO or stage-0 engine; LinsEngine has its own) on a Lins checkpoint
+    fails with a bare AssertionError (no ``*model_states.pt``): it fails naming the checkpoint and the conversion, on
+    every rank (each reads the same files: no collective)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    real = DeepSpeedEngine.load_checkpoint
+    if getattr(real, "_lins", False):
+        return
+
+    @functools.wraps(real)
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        why = _lins_checkpoint_refusal(self, load_dir, tag)
+        if why is not None:
+            from ..checkpoint.formats import LinsCheckpointError
+
+            raise LinsCheckpointError(why)
+        return real(self, load_dir, tag, *args, **kwargs)
+
+    load_checkpoint._lins = True
+    DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
 def install() -> None:
     from ..checkpoint import zero_to_fp32
 
     deepspeed.initialize = initialize
     zero_to_fp32.install()
+    _refuse_lins_checkpoints()

@@ -29,7 +29,10 @@ ENGINE_METHODS = {
     "_broadcast_model": "overridden: nothing to broadcast for a model built without values (lins_ds.init)",
     "_configure_bf16_optimizer": "overridden: an engine without an optimizer gets no bf16 wrapper (forward only)",
     "zero_grad": "overridden: drops the gradients Lins accumulated, as DeepSpeed drops .grad",
-    "backward": "overridden: marks the engine busy (parameter reads inside are its own)",
+    "backward": "overridden: marks the engine busy and begins every backward (two over one forward sum)",
+    "load_checkpoint": "wrapped for plain DeepSpeed engines (deepspeed_patch): a Lins checkpoint is named, not misread",
+    "load_universal_checkpoint": "called by that wrapper: whether the load reads a universal checkpoint",
+    "zero_optimization_stage": "called by that wrapper: the ZeRO stage its message names",
 }
 # Read where they exist, set by LinsEngine: transformers' generate runs with synced_gpus for a module carrying it.
 EXTERNAL_NAMES = {"transformers.distributed.fsdp.is_fsdp_managed_module": "_is_fsdp_managed_module",

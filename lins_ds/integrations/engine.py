@@ -231,8 +231,24 @@ class LinsEngine(DeepSpeedEngine):
         return out
 
     def backward(self, loss, *args, **kwargs):
+        """DeepSpeed's backward, begun by a hook on ``loss``: DeepSpeed's output hook calls the optimizer's
+        ``backward_prologue`` once per forward, so a second ``engine.backward`` over the same forward
+        (``retain_graph=True`` on the first) would run without it: the root unit released, the window's reductions
+        already done. Begun as autograd reaches ``loss`` (not before: DeepSpeed may refuse the call first), every
+        backward is one to the runtime, and the gradients of all of them are summed (docs/design.md §4)."""
         with self._running():
-            return super().backward(loss, *args, **kwargs)
+            begin = None
+            if isinstance(self.optimizer, LinsOptimizer) and torch.is_tensor(loss) and loss.requires_grad:
+                begin = loss.register_hook(self._begin_backward)
+            try:
+                return super().backward(loss, *args, **kwargs)
+            finally:
+                if begin is not None:
+                    begin.remove()
+
+    def _begin_backward(self, grad):
+        self.optimizer.backward_prologue()  # after DeepSpeed's output hook's, where that fires: no gradient yet, a no-op
+        return grad
 
     def _running(self):
         """The engine runs: parameter reads inside are its own (docs/design.md §4, "What user code sees")."""
@@ -267,12 +283,10 @@ class LinsEngine(DeepSpeedEngine):
 
     # --- full state dict on every rank ------------------------------------------------------------
     def _gather_for_state_dict(self, module, prefix, keep_vars):
-        if self.lins is not None:
-            if self.lins.partitions_params():  # a gather: every rank must be here
-                comm.all_ranks_arrive("engine.module.state_dict() gathers the parameters this plan partitions "
-                                      f"({self.lins.plan.layout}), so every rank must call it (accelerate's "
-                                      "get_state_dict and the Trainer's save_model do); to save on one rank, call it "
-                                      "on every rank and write on that one")
+        """The runtime's own hook has gathered every unit (``Executor._before_state_dict``: where the plan partitions P,
+        once every rank of the P group is there, else ``ArrivalError`` on each within ``LINS_ARRIVE_TIMEOUT_S``). After
+        ``destroy()`` that hook is gone: the gather then says that the sharded parameters are."""
+        if self.lins is not None and self.lins.destroyed:
             self.lins.gather_all()
 
     def _copy_out_state_dict(self, module, state_dict, prefix, local_metadata):
@@ -290,6 +304,9 @@ class LinsEngine(DeepSpeedEngine):
         """DeepSpeed's signature and return value; every rank must call it. Each rank of one OS replica
         writes its own chunk; the tag directory appears only once complete, then ``latest``."""
         self._require_optimizer("save_checkpoint")
+        comm.all_ranks_arrive(comm.Arrival.SAVE, "call it on every rank (each writes its own part: accelerate's "
+                              "save_state and the Trainer do); for the weights alone on one rank, take "
+                              "engine.module.state_dict() on every rank and write it on that one")
         return save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -297,6 +314,7 @@ class LinsEngine(DeepSpeedEngine):
         """DeepSpeed's signature and return value ``(path, client_state)``; loads into this engine's plan
         and world size whatever plan and world size wrote the checkpoint."""
         self._require_optimizer("load_checkpoint")
+        comm.all_ranks_arrive(comm.Arrival.LOAD, "call it on every rank (each reads its own part)")
         if custom_load_fn is not None:
             raise LinsConfigError("load_checkpoint: custom_load_fn is not supported by LinsEngine")
         return load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,

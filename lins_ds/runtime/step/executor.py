@@ -15,6 +15,10 @@ Backward: hooks on a layer's outputs re-gather it (and prefetch the layer before
           soon as it is final, so it overlaps the rest of backward.
 After the optimizer: each unit's P-sync AllGather is launched and waited for by that unit's next use
           (broadcast-forward overlap, ``lins.overlap_param_sync``).
+Arrival:  where P is partitioned, a forward, ``generate`` and ``state_dict()`` gather over the P group, so every rank
+          of it must make them: each first meets the others (``comm.Arrival``: a few integers over a gloo group of
+          its own), and a call some ranks make alone fails on every rank that came, naming the call and the fix,
+          instead of waiting in a gather or being matched by another rank's (docs/design.md §4).
 
 Async collectives return handles (``Work``); ``wait()`` orders the current CUDA stream after them
 without blocking the host, and on gloo waits for the background thread.
@@ -32,6 +36,7 @@ completes the units in order and never asks.
 from __future__ import annotations
 
 import enum
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -41,6 +46,14 @@ from torch.utils._pytree import tree_flatten
 
 from ...plan.memory import IN_FLIGHT_REDUCE_SCATTERS, IN_FLIGHT_REPLICA_COPIES, PREFETCHED_LAYERS
 from .unit import GradState, Unit
+
+# what a call that gathers says to do when not every rank of the P group made it (comm.Arrival)
+RUN_FIX = ("call it on every rank; to run the model on some ranks only, gather it on every rank first: `with "
+           "deepspeed.zero.GatheredParameters(list(model.parameters())):` entered on every rank, the call inside on "
+           "those ranks (it then gathers nothing)")
+STATE_DICT_FIX = ("call it on every rank (accelerate's get_state_dict and the Trainer's save_model do) and write on "
+                  "one, or read it inside `deepspeed.zero.GatheredParameters(list(model.parameters()))` entered on "
+                  "every rank")
 
 
 class Phase(enum.Enum):
@@ -103,6 +116,9 @@ class Executor:
         self._copies: deque = deque()  # units whose replica AllReduce runs on a reduce-dtype copy, oldest first
         self._free_staging: list = []  # staging buffers of a layer unit's size, reused within a backward
         self._pool_size = max((u.spec.padded for u in (layers or self.units)), default=0)
+        self._generate = None  # (the instance's own generate or None, the wrapper that replaced it)
+        self._generating = 0  # generate() calls running (their steps' forwards need no check of their own)
+        self._check_training = True  # the next training forward meets the other ranks (_arrive_forward)
         self._register()
 
     @property
@@ -113,6 +129,8 @@ class Executor:
     def _register(self) -> None:
         h = self._handles
         h.append(self.module.register_forward_pre_hook(self._root_pre_forward))
+        h.append(self.module.register_state_dict_pre_hook(self._before_state_dict))
+        self._wrap_generate()
         h.append(self.module.register_forward_hook(self._root_post_forward))
         h.append(self.module.register_forward_hook(self._root_forward_ends, always_call=True))
         for unit in self.layers:
@@ -127,8 +145,74 @@ class Executor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._generate is not None and self.module.__dict__.get("generate") is self._generate[1]:
+            if self._generate[0] is None:
+                del self.module.__dict__["generate"]
+            else:
+                self.module.__dict__["generate"] = self._generate[0]
+        self._generate = None
+
+    # --- every rank at a call that gathers (P partitioned: comm.Arrival, docs/design.md §4) ---------------------
+    @property
+    def _arrival(self):
+        return self.units[0].groups.arrival if self.units else None
+
+    def _gathers(self) -> bool:
+        """Whether a forward or a state_dict() now gathers over the P group: P partitioned, and not every unit held
+        gathered (``deepspeed.zero.GatheredParameters`` on every rank: then one rank may run the model alone)."""
+        return self._arrival is not None and not all(u.held for u in self.units)
+
+    def _wrap_generate(self) -> None:
+        """The model's ``generate`` (an instance attribute over the class's, removed with the hooks): under a plan that
+        partitions P every rank meets there first, before transformers' own per-token AllReduce of ``synced_gpus``
+        (which a rank alone would wait in, outside Lins); where every unit is held gathered, nothing is gathered and
+        generation needs no ranks in step: ``synced_gpus`` defaults to False."""
+        original = getattr(self.module, "generate", None)
+        if self._arrival is None or not callable(original):
+            return
+
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            if self._gathers():
+                self._arrival.check(self._arrival.GENERATE, RUN_FIX)
+                self._check_training = True
+            else:
+                kwargs.setdefault("synced_gpus", False)
+            self._generating += 1  # its steps' forwards need no check of their own: synced_gpus keeps ranks in step
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._generating -= 1
+
+        self._generate = (self.module.__dict__.get("generate"), generate)
+        self.module.__dict__["generate"] = generate
+
+    def _arrive_forward(self, module) -> None:
+        """A training forward (train mode, gradients on: a backward follows) meets the others once per optimizer step,
+        its first (``finish_window`` re-arms it), or after a call of another kind: one-rank calls come between steps
+        (an evaluation, a generation, a save), and what every rank does between two checks is the same schedule, so
+        the ranks' exchanges stay paired. Any other forward meets them every time (``generate``'s steps excepted)."""
+        a = self._arrival
+        if self.gradients and torch.is_grad_enabled() and module.training:
+            if self._check_training:
+                a.check(a.TRAINING, RUN_FIX)
+                self._check_training = False
+        else:
+            a.check(a.FORWARD, RUN_FIX)
+            self._check_training = True
+
+    def _before_state_dict(self, module, prefix, keep_vars):
+        """``state_dict()`` reads every parameter whole: every rank of the P group there first, then every unit gathered
+        (the engine's state_dict hook copies the values out and releases them)."""
+        if self._gathers():
+            self._arrival.check(self._arrival.STATE_DICT, STATE_DICT_FIX)
+            self._check_training = True
+        for unit in self.units:
+            unit.wait_gather()
 
     def _root_pre_forward(self, module, args):
+        if not (self._forwards or self._generating or self._in_backward) and self._gathers():  # outermost, no recompute
+            self._arrive_forward(module)
         self.progress.busy += 1  # until _root_forward_ends, which runs even where the forward raises
         self._forwards += 1
         if self.root is not None:
@@ -140,8 +224,18 @@ class Executor:
             self.progress.busy -= 1
 
     def _root_post_forward(self, module, args, out):
-        if self.root is not None and not (self.gradients and torch.is_grad_enabled() and grad_tensors(out)):
+        if self.root is None:
+            return
+        if not (self.gradients and torch.is_grad_enabled() and grad_tensors(out)):
             self.root.release()  # no backward will follow
+        elif self.root.releases:  # a backward Lins was not told of (a second plain loss.backward() over this forward)
+            for t in grad_tensors(out, depth=0):  # finds the root released: gathered again before autograd reads it,
+                if t.grad_fn is not None:         # so that _on_grad can say what happened (never a leaf's hook: it
+                    t.register_hook(self._root_pre_backward)  # would outlive this forward)
+
+    def _root_pre_backward(self, grad):
+        self.root.wait_gather()  # nothing to do in a backward the engine began: the root is gathered then
+        return grad
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
         """Start gathering the ``PREFETCHED_LAYERS`` layer units after ``unit`` in ``direction`` (+1: the
@@ -170,6 +264,12 @@ class Executor:
         self._prefetch(unit, -1)
 
     def _on_grad(self, unit: Unit, param) -> None:
+        if not self._in_backward:
+            raise RuntimeError(
+                "lins: a gradient arrived outside a backward the engine was told of: a second loss.backward() over "
+                "one forward (DeepSpeed announces only the first), or a backward of engine.module's output called "
+                "without engine.backward. Call engine.backward(loss) for every backward (retain_graph=True on all "
+                "but the last over one forward); its gradients are then summed, as torch sums them")
         if not unit.grad_arrived(param):
             return
         self._reduce_ready()
@@ -201,7 +301,18 @@ class Executor:
 
     # --- driven by LinsRuntime, one method per step -------------------------------------------
     def begin_backward(self) -> None:
+        """A backward starts, before any gradient of it arrives (``LinsEngine.backward`` begins it by a hook on the
+        loss, since DeepSpeed's output hook announces only the first backward over a forward). Another backward over
+        the same forward (``engine.backward(l1, retain_graph=True); engine.backward(l2)``) finds the root released
+        and, after a backward that ended the window, the replica AllReduces in flight: those are completed (each unit
+        keeps the window's sum on one replica, ``Unit.begin_backward``) and the root gathered again, since autograd's
+        saved views of its parameters point into its full buffer. Otherwise both are no-ops; called twice in one
+        backward (DeepSpeed's hook, then the engine's) before any gradient arrived, the second call changes nothing."""
         self._next, self._reach_known = 0, False
+        if any(u.grad_state is GradState.REPLICA_REDUCING for u in self.units):
+            self.complete_reductions()
+        if self.root is not None:
+            self.root.wait_gather()
         for unit in self.units:
             unit.begin_backward()
 
@@ -220,7 +331,9 @@ class Executor:
 
     def finish_window(self) -> None:
         """The window's gradients final on every unit: replica AllReduces started where the last backward did
-        not (it did not end the window: ``no_sync``, or a step without a backward), then all waited for."""
+        not (it did not end the window: ``no_sync``, or a step without a backward), then all waited for. The next
+        training forward meets the other ranks again (``_arrive_forward``)."""
+        self._check_training = True
         self._complete_reduce_scatters()
         for unit in self.order:
             if unit.grad_state in (GradState.REDUCED, GradState.ACCUMULATING):

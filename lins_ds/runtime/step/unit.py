@@ -18,6 +18,8 @@ The unit owns its state; callers ask for transitions, and each transition checks
                 (s_g == 1: start_reduce goes straight to REDUCED; G on the host: the reduced chunk goes down to the
                 unit's host accumulator, ``HostGrads.push``, docs/design.md §13)
                 REDUCED --begin_backward--> ACCUMULATING              (the next micro-batch of the window)
+                FINAL --begin_backward--> ACCUMULATING                (another backward over the window's last
+                                                                       micro-batch: its sum kept on one replica)
                 REDUCED --start_replica_reduce--> REPLICA_REDUCING --finish_replica_reduce--> FINAL
                 (one replica: start_replica_reduce goes straight to FINAL)
                 ACCUMULATING / REDUCED / FINAL --reset_grads (after the step)--> ACCUMULATING
@@ -468,8 +470,14 @@ class Unit:
                 s.param.grad = view
 
     def begin_backward(self) -> None:
-        """A backward of the accumulation window starts (the first, or the next micro-batch's)."""
-        self._expect(self.grad_state, (GradState.ACCUMULATING, GradState.REDUCED), "begin_backward")
+        """A backward of the accumulation window starts (the first, or the next micro-batch's). From FINAL: a further
+        backward over the window's last micro-batch (``engine.backward`` twice on one forward) after the one that
+        ended the window: every replica holds the window's sum, which stays on the first replica of this G chunk
+        only (zeros on the others, in place: no collective), so that the next replica AllReduce counts it once."""
+        self._expect(self.grad_state, (GradState.ACCUMULATING, GradState.REDUCED, GradState.FINAL), "begin_backward")
+        if self.grad_state is GradState.FINAL and self.groups.size("g_replica") > 1 \
+                and self.groups.members["g_replica"][0] != self.groups.rank:
+            self.g_acc.zero_()
         if not self._grads_attached:
             self.attach_grads()
         self.grad_state = GradState.ACCUMULATING
