@@ -129,16 +129,7 @@ class Materializer:
             if info is not None and info[2] is None:
                 by_owner.setdefault(info[1], []).append(slot)
         for owner in sorted(by_owner):
-            temps = {id(s.param): nn.Parameter(torch.empty(s.shape, dtype=unit.dtype, device=self.device),
-                                               requires_grad=s.param.requires_grad) for s in by_owner[owner]}
-            places = [(m, n, p) for p in (s.param for s in by_owner[owner]) for m, n in self.where.get(id(p), [])]
-            for m, n, p in places:
-                m._parameters[n] = temps[id(p)]
-            try:
-                self.initialise(owner)
-            finally:
-                for m, n, p in places:
-                    m._parameters[n] = p
+            temps = self._on_temporaries(owner, [s.param for s in by_owner[owner]], unit.dtype, self.initialise)
             for s in by_owner[owner]:
                 unit.p_shard_write(s, temps[id(s.param)].detach().reshape(-1))
         lo, hi = unit.spec.p_start, unit.spec.p_start + unit.spec.p_size
@@ -170,17 +161,22 @@ class Materializer:
             return source.read(0, param.numel()).reshape(param.shape).to(param.dtype, copy=True)
         params = [p for p in self.modules[owner]._parameters.values()
                   if p is not None and p.is_meta and self.info.get(id(p), (None,) * 3)[2] is None]
-        temps = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+        return self._on_temporaries(owner, params, None, self._run_init)[id(param)].detach()
+
+    def _on_temporaries(self, owner: str, params: list, dtype, run) -> dict:
+        """``run(owner)`` (its module's initialisation) with ``params`` (meta) replaced wherever they are by empty
+        tensors on the device (``dtype``, else each one's own), put back afterwards: id(param) -> its temporary."""
+        temps = {id(p): nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device=self.device),
                                      requires_grad=p.requires_grad) for p in params}
         places = [(m, n, p) for p in params for m, n in self.where.get(id(p), [])]
         for m, n, p in places:
             m._parameters[n] = temps[id(p)]
         try:
-            self._run_init(owner)
+            run(owner)
         finally:
             for m, n, p in places:
                 m._parameters[n] = p
-        return temps[id(param)].detach()
+        return temps
 
     def materialise_buffers(self) -> None:
         """Buffers on the meta device (a model built on torch.device("meta")): allocated on the device and
