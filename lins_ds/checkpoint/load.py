@@ -387,10 +387,11 @@ def returned_client_state(state: dict, load_optimizer_states: bool, load_lr_sche
                           load_module_only: bool) -> dict:
     """What DeepSpeed's ``load_checkpoint`` returns as ``client_state`` from a checkpoint's ``state`` (its
     ``_load_checkpoint``, ZeRO-1): everything but what the load itself restored (the module, and the counters,
-    world sizes, data sampler and random-LTD unless ``load_module_only``; the LR scheduler and the optimizer where
+    world sizes, sparse-module names (0.19.6), data sampler and random-LTD unless ``load_module_only``; the LR scheduler and the optimizer where
     loaded)."""
-    restored = ["module"] if load_module_only else ["module", "skipped_steps", "global_steps", "dp_world_size",
-                                                    "mp_world_size", "data_sampler", "random_ltd"]
+    restored = ["module"] if load_module_only else ["module", "sparse_tensor_module_names", "skipped_steps",
+                                                    "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
+                                                    "random_ltd"]
     restored += ["lr_scheduler"] if load_lr_scheduler_states else []
     restored += ["optimizer"] if load_optimizer_states else []
     return {k: v for k, v in state.items() if k not in restored}

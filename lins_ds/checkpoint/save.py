@@ -114,6 +114,8 @@ def deepspeed_keys(engine) -> dict:
             "dp_world_size": int(getattr(engine, "seq_dp_world_size", None) or engine.lins.topo.world_size),
             "mp_world_size": int(getattr(engine, "mp_world_size", 1) or 1),
             "ds_config": _json_safe(getattr(engine, "config", None)), "ds_version": deepspeed.__version__}
+    if hasattr(engine, "sparse_tensor_module_names"):  # DeepSpeed 0.19.6 saves it (0.19.8 no longer does)
+        keys["sparse_tensor_module_names"] = set(engine.sparse_tensor_module_names)
     if hasattr(constants, "CHECKPOINT_PARALLEL_DIMS"):  # where this DeepSpeed saves the degrees
         keys[constants.CHECKPOINT_PARALLEL_DIMS] = {
             constants.CHECKPOINT_PP_DEGREE: bwc_pipeline_parallel_world_size(mpu),
