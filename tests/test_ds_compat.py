@@ -8,7 +8,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 
 from lins_ds.integrations import ds_compat  # noqa: E402
 from lins_ds.integrations.engine import LinsEngine  # noqa: E402
-from lins_ds.runtime.step.optimizer import LinsOptimizer  # noqa: E402
+from lins_ds.integrations.optimizer import LinsOptimizer  # noqa: E402
 
 
 def test_every_engine_method_lins_overrides_is_listed():

@@ -238,7 +238,7 @@ AGREEMENTS = ("agree", "all_gather_object", "broadcast_object", "all_ranks_arriv
 AGREEMENT_CALLERS = {
     "checkpoint.load": "every rank's outcome of reading and checking, before any of them fills the engine",
     "checkpoint.save": "every rank's outcome of writing, before the rename; rank 0's directory listing",
-    "integrations.engine": "the state_dict gather's arrival check (every rank must call it)",
+    "integrations.checkpointing": "save_checkpoint's and load_checkpoint's arrival checks (every rank must call them)",
     "profiler": "rank 0's cached or measured timing table, handed to every rank",
     "profiler.measure": "the slowest rank's time of each measured collective",
     "profiler.validate": "the same, for the validation of a profile",
@@ -289,6 +289,8 @@ REACH_IN_ALLOWED = {  # (module, attribute): why
     ("runtime.startup.materialize", "full"): "the same: the unit's buffer it fills",
     ("runtime.startup.materialize", "p_shard"): "the same: the P chunk it fills",
     ("runtime.startup.planning", "host"): "context.offload.host: the plan's OffloadSpec (data), not the runtime's",
+    ("runtime.switch.tune", "host"): "the same: the candidates' host optimizer is the OffloadSpec's",
+    ("integrations.optimizer", "full"): "torch.full (a tensor), not a unit's buffer",
     ("integrations.sharded_init", "full"): "its own replay records' values",
     ("integrations.zero_api", "units"): "ZeRO-3's per-parameter API on each unit's parameters (ds_id, ds_status)",
 }

@@ -610,7 +610,7 @@ def test_parameters_on_the_host_lower_the_floor_again():
 def test_a_torch_adam_left_open_steps_device_masters_with_the_fused_kernel():
     """On a GPU, torch's Adam/AdamW with neither ``foreach`` nor ``fused`` given takes the fused kernel; a choice
     the user made is kept, and nothing changes on the CPU or for other optimizers."""
-    from lins_ds.runtime.step.optimizer import prefer_fused_kernel
+    from lins_ds.integrations.optimizer import prefer_fused_kernel
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     p = [torch.nn.Parameter(torch.zeros(2))]

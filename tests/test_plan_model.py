@@ -78,7 +78,7 @@ def test_the_start_up_summary_names_linear_layers_of_a_misaligned_width():
     import torch
     import transformers
 
-    from lins_ds.integrations.engine import gemm_dtype
+    from lins_ds.integrations.launch import gemm_dtype
     from lins_ds.runtime.startup.planning import misaligned_note
 
     def gpt2(vocab):

@@ -23,6 +23,7 @@ from ..runtime.step.unit import param_shape
 from .formats import DEEPSPEED, LINS, Found, LinsCheckpointError, check_seal, load_pickle, locate, verify_digest
 from .layout_free import (DIGEST_SCHEME, DIGESTS, FORMAT, FORMAT_1, META, META_SEAL, digests_of, inside, overlaps,
                           range_key)
+from .trainee import Counters, Trainee
 from .universal import UniversalReader, convert
 
 ADAM_FAMILY = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}  # what a DeepSpeed universal checkpoint's state fits
@@ -118,9 +119,9 @@ class LinsCheckpoint:
         self.elementwise, self.scalars = self.meta["elementwise_state"], self.meta["scalar_state"]
         self.param_groups = self.meta["param_groups"]
 
-    def check(self, engine, strict: bool, with_state: bool) -> None:
-        check_model(self.meta, engine.module, strict)
-        theirs, ours = self.meta["optimizer"], type(engine.optimizer.optimizer).__name__
+    def check(self, trainee: Trainee, strict: bool, with_state: bool) -> None:
+        check_model(self.meta, trainee.module, strict)
+        theirs, ours = self.meta["optimizer"], type(trainee.optimizer.optimizer).__name__
         if with_state and theirs != ours:
             raise LinsCheckpointError(f"load_checkpoint: optimizer state is {theirs}'s, this engine uses {ours}; "
                                       "pass load_optimizer_states=False")
@@ -150,11 +151,11 @@ class UniversalCheckpoint:
         self.reader = UniversalReader(path, trust)
         self.param_groups = self.reader.param_groups
 
-    def check(self, engine, strict: bool, with_state: bool) -> None:
+    def check(self, trainee: Trainee, strict: bool, with_state: bool) -> None:
         shapes = {}
         for group in self.reader.model_states.get("param_shapes") or []:
             shapes.update({n: list(s) for n, s in group.items()})
-        ours = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+        ours = {n: p for n, p in trainee.module.named_parameters() if p.requires_grad}
         missing = sorted(n for n in ours if not self.reader.has(n))
         wrong = [f"{n}: checkpoint {shapes[n]} vs model {list(param_shape(p))}" for n, p in ours.items()
                  if n in shapes and shapes[n] != list(param_shape(p))]
@@ -163,7 +164,7 @@ class UniversalCheckpoint:
                                       + "; ".join(wrong[:5]))
         if missing:
             raise LinsCheckpointError(f"load_checkpoint: {self.origin} lacks parameters {missing[:5]}")
-        name = type(engine.optimizer.optimizer).__name__
+        name = type(trainee.optimizer.optimizer).__name__
         if with_state and name not in ADAM_FAMILY:
             raise LinsCheckpointError(f"load_checkpoint: {self.origin} holds Adam's state (exp_avg, exp_avg_sq); "
                                       f"this engine uses {name}; pass load_optimizer_states=False")
@@ -289,11 +290,11 @@ def opened(found: Found, trust: bool = False):
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _check_optimizer(engine, ckpt, with_state: bool) -> None:
+def _check_optimizer(trainee: Trainee, ckpt, with_state: bool) -> None:
     """Everything this rank's slices will read is in the checkpoint (its files whole, every range and key there):
     checked before anything is written, without a second copy of the state in memory."""
     reader = ckpt.reader
-    for sl in engine.lins.master_slices():
+    for sl in trainee.runtime.master_slices():
         for name, (a, b), _ in sl.range.by_parameter():
             if not reader.check(name, a, b, "master"):
                 raise LinsCheckpointError(f"load_checkpoint: {ckpt.path} lacks the master weights of {name}")
@@ -303,11 +304,11 @@ def _check_optimizer(engine, ckpt, with_state: bool) -> None:
                                               "load_optimizer_states=False")
 
 
-def _fill_optimizer(engine, ckpt, with_state: bool) -> None:
+def _fill_optimizer(trainee: Trainee, ckpt, with_state: bool) -> None:
     """This rank's master slices (and their optimizer state) from the checkpoint, in place (all of it checked)."""
-    opt, reader = engine.optimizer, ckpt.reader
+    opt, reader = trainee.optimizer, ckpt.reader
     for gi, group in enumerate(opt.param_groups):
-        for sl in [s for s in engine.lins.master_slices() if any(s.param is p for p in group["params"])]:
+        for sl in [s for s in trainee.runtime.master_slices() if any(s.param is p for p in group["params"])]:
             state = {k: torch.zeros_like(sl.param.data) for k in ckpt.elementwise} if with_state else {}
             for name, (a, b), (s, e) in sl.range.by_parameter():
                 reader.fill(sl.param.data[s:e], name, a, b, "master")
@@ -322,12 +323,13 @@ def _fill_optimizer(engine, ckpt, with_state: bool) -> None:
             sl.write_back()
 
 
-def _check_rest(engine, ckpt, rest: dict, with_state: bool, load_lr_scheduler_states: bool, load_module_only: bool):
+def _check_rest(trainee: Trainee, ckpt, rest: dict, with_state: bool, load_lr_scheduler_states: bool,
+                load_module_only: bool):
     """What the apply step would refuse, refused now (before any rank changes anything). The LR scheduler takes the
     saved state on trial and is put back as it was."""
     if with_state and ckpt.param_groups and ckpt.kind_strict:
-        _restore_group_hyperparameters([dict(g) for g in engine.optimizer.param_groups], ckpt.param_groups, True)
-    sched, saved = engine.lr_scheduler, rest["lr_scheduler"]
+        _restore_group_hyperparameters([dict(g) for g in trainee.optimizer.param_groups], ckpt.param_groups, True)
+    sched, saved = trainee.lr_scheduler, rest["lr_scheduler"]
     if load_module_only or not load_lr_scheduler_states or sched is None or saved is None:
         return
     before = copy.deepcopy(sched.state_dict())
@@ -342,45 +344,48 @@ def _check_rest(engine, ckpt, rest: dict, with_state: bool, load_lr_scheduler_st
 
 
 @torch.no_grad()
-def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+def load(trainee: Trainee, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False, trust_pickle: bool = False):
     """All or nothing: every rank checks everything it will read (each file against its digest, every range and key
     of its slices) and reads the rest (frozen tensors, scheduler, loss scaler, counters, client_state) before any rank
-    changes its engine; an error on any rank is every rank's, raised with each engine exactly as it was. Host updates
-    still running are joined first (their outcome does not matter: the checkpoint replaces what they write)."""
+    changes ``trainee``; an error on any rank is every rank's, raised with each trainee exactly as it was. Host updates
+    still running are joined first (their outcome does not matter: the checkpoint replaces what they write).
+    Returns ``(path, client_state, counters)``: the saved ``Counters`` for the caller to set (None where nothing was
+    found, or with ``load_module_only``); ``(None, None, None)`` where nothing was found."""
     found = agreed(lambda: locate(load_dir, tag))
     if found is None:
-        return None, None
+        return None, None, None
     with_state = load_optimizer_states and not load_module_only
-    opt = engine.optimizer
-    engine.lins.join_host()
+    opt, runtime = trainee.optimizer, trainee.runtime
+    runtime.join_host()
     with opened(found, trust_pickle) as ckpt:
         ckpt.kind_strict = found.kind == LINS
-        agreed(lambda: ckpt.check(engine, load_module_strict, with_state))
+        agreed(lambda: ckpt.check(trainee, load_module_strict, with_state))
 
         def check():
             rest = ckpt.rest(trust_pickle)
-            _check_rest(engine, ckpt, rest, with_state, load_lr_scheduler_states, load_module_only)
-            _check_optimizer(engine, ckpt, with_state)
+            _check_rest(trainee, ckpt, rest, with_state, load_lr_scheduler_states, load_module_only)
+            _check_optimizer(trainee, ckpt, with_state)
             return rest
 
         rest = agreed(check)
-        engine.lins.wait()  # an in-flight P-sync must not overwrite what we load
-        engine.lins.forget_host_failure()  # what a failed host update left, the checkpoint replaces
-        agreed(lambda: _fill_optimizer(engine, ckpt, with_state))  # checked: a failure here is the disk's
+        runtime.wait()  # an in-flight P-sync must not overwrite what we load
+        runtime.forget_host_failure()  # what a failed host update left, the checkpoint replaces
+        agreed(lambda: _fill_optimizer(trainee, ckpt, with_state))  # checked: a failure here is the disk's
     if with_state and ckpt.param_groups:
         _restore_group_hyperparameters(opt.param_groups, ckpt.param_groups, found.kind == LINS)
-    engine.lins.sync_parameters()
-    _copy_into(engine.module, rest["tensors"])
+    runtime.sync_parameters()
+    _copy_into(trainee.module, rest["tensors"])
+    counters = None
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and rest["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(rest["lr_scheduler"])
+        sched = trainee.lr_scheduler
+        if load_lr_scheduler_states and sched is not None and rest["lr_scheduler"] is not None:
+            sched.load_state_dict(rest["lr_scheduler"])
         if opt.loss_scaler is not None and rest["loss_scaler"]:
             vars(opt.loss_scaler).update(rest["loss_scaler"])
-        for k, v in rest["counters"].items():
-            setattr(engine, k, v)
+        counters = Counters(**rest["counters"])
     return found.path, returned_client_state(rest["state"], load_optimizer_states, load_lr_scheduler_states,
-                                             load_module_only)
+                                             load_module_only), counters
 
 
 def returned_client_state(state: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,

@@ -14,6 +14,7 @@ from ..runtime.step.unit import param_shape
 from .zero_to_fp32 import write_script
 from .formats import LinsCheckpointError, file_digest, save_file, write_meta
 from .layout_free import DIGEST_SCHEME, DIGESTS, FORMAT, INCOMPLETE, LATEST, OLD, SAVING, checked_tag, range_key
+from .trainee import Trainee
 
 __all__ = ["LinsCheckpointError", "save"]
 
@@ -72,9 +73,9 @@ def _aliases(module: torch.nn.Module) -> dict:
     return {name: first[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
 
 
-def _meta(engine, index: dict, ew_keys, scalar_keys) -> dict:
-    opt, module = engine.optimizer, engine.module
-    group_of = engine.lins.param_groups_by_name()
+def _meta(trainee: Trainee, index: dict, ew_keys, scalar_keys) -> dict:
+    opt, module, counters = trainee.optimizer, trainee.module, trainee.counters
+    group_of = trainee.runtime.param_groups_by_name()
     return {
         "format": FORMAT,
         "params": {n: {"shape": list(param_shape(p)), "dtype": str(p.dtype).split(".")[-1], "trainable": p.requires_grad,
@@ -83,13 +84,13 @@ def _meta(engine, index: dict, ew_keys, scalar_keys) -> dict:
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "optimizer": type(opt.optimizer).__name__,
         "elementwise_state": sorted(ew_keys), "scalar_state": sorted(scalar_keys),
-        "plan": engine.lins.plan.to_json(), "world_size": engine.lins.topo.world_size,
-        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps, "index": index,
+        "plan": trainee.runtime.plan.to_json(), "world_size": trainee.runtime.topo.world_size,
+        "global_steps": counters.global_steps, "global_samples": counters.global_samples,
+        "skipped_steps": counters.skipped_steps, "index": index,
     }
 
 
-def deepspeed_keys(engine) -> dict:
+def deepspeed_keys(trainee: Trainee) -> dict:
     """The keys DeepSpeed's ``_save_checkpoint`` puts in a ZeRO-1 checkpoint's state besides the module, the optimizer
     and the counters, with their meaning there (``load_checkpoint`` returns them in ``client_state``): the persistent
     buffers' names, each optimizer param group's {name: shape} of its trainable parameters, tied parameters {name not
@@ -102,20 +103,20 @@ def deepspeed_keys(engine) -> dict:
     from deepspeed.checkpoint import constants
     from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_world_size
 
-    module, group_of = engine.module, engine.lins.param_groups_by_name()
+    module, group_of = trainee.module, trainee.runtime.param_groups_by_name()
     shapes = [OrderedDict((n, torch.Size(param_shape(p))) for n, p in module.named_parameters()
                           if p.requires_grad and group_of.get(n) == gi)
-              for gi in range(len(engine.optimizer.param_groups))]
-    mpu = getattr(engine, "mpu", None)
+              for gi in range(len(trainee.optimizer.param_groups))]
+    mpu = trainee.mpu
     keys = {"buffer_names": _buffer_names(module),
             "param_shapes": shapes, "frozen_param_shapes": None, "frozen_param_fragments": None,
             "shared_params": {a: n for a, n in _aliases(module).items() if a != n},
             "data_sampler": None, "random_ltd": None,
-            "dp_world_size": int(getattr(engine, "seq_dp_world_size", None) or engine.lins.topo.world_size),
-            "mp_world_size": int(getattr(engine, "mp_world_size", 1) or 1),
-            "ds_config": _json_safe(getattr(engine, "config", None)), "ds_version": deepspeed.__version__}
-    if hasattr(engine, "sparse_tensor_module_names"):  # DeepSpeed 0.19.6 saves it (0.19.8 no longer does)
-        keys["sparse_tensor_module_names"] = set(engine.sparse_tensor_module_names)
+            "dp_world_size": int(trainee.seq_dp_world_size or trainee.runtime.topo.world_size),
+            "mp_world_size": int(trainee.mp_world_size or 1),
+            "ds_config": _json_safe(trainee.ds_config), "ds_version": deepspeed.__version__}
+    if trainee.sparse_tensor_module_names is not None:  # DeepSpeed 0.19.6 saves it (0.19.8 no longer does)
+        keys["sparse_tensor_module_names"] = set(trainee.sparse_tensor_module_names)
     if hasattr(constants, "CHECKPOINT_PARALLEL_DIMS"):  # where this DeepSpeed saves the degrees
         keys[constants.CHECKPOINT_PARALLEL_DIMS] = {
             constants.CHECKPOINT_PP_DEGREE: bwc_pipeline_parallel_world_size(mpu),
@@ -127,25 +128,25 @@ def _json_safe(obj):
     return json.loads(json.dumps(obj, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
 
 
-def _agree_on_tag(engine, tag) -> str:
-    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+def _agree_on_tag(trainee: Trainee, tag) -> str:
+    tag = str(tag if tag is not None else f"global_step{trainee.counters.global_steps}")
     tags = comm.all_gather_object(tag)
     if len(set(tags)) != 1:
         raise LinsCheckpointError(f"save_checkpoint: tag differs across ranks ({sorted(set(tags))}); pass one tag")
     return checked_tag(tag, "save_checkpoint")  # every rank has the same tag: the same verdict
 
 
-def _write_shard(engine, tmp: str):
+def _write_shard(trainee: Trainee, tmp: str):
     """This rank's OS chunk, if it is a writer: (file name, index, element-wise keys, scalar keys)."""
-    if not engine.lins.is_checkpoint_writer:
+    if not trainee.runtime.is_checkpoint_writer:
         return None
-    tensors, index, ew, sc = shard_tensors(engine.optimizer, engine.lins.master_slices())
+    tensors, index, ew, sc = shard_tensors(trainee.optimizer, trainee.runtime.master_slices())
     fname = f"shard-{comm.rank():05d}.safetensors"
     save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
     return fname, index, sorted(ew), sorted(sc), file_digest(os.path.join(tmp, fname))
 
 
-def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_frozen: bool = False) -> None:
+def _write_rank0_files(trainee: Trainee, tmp: str, entries: list, client_state, exclude_frozen: bool = False) -> None:
     """Frozen parameters and buffers, extra.pt, config.json, and meta.json (with meta.json.sha256) last (it marks a
     whole directory)."""
     entries = [e for e in entries if e is not None]
@@ -153,21 +154,21 @@ def _write_rank0_files(engine, tmp: str, entries: list, client_state, exclude_fr
     digests = {fname: digest for fname, _, _, _, digest in entries}
     ew = {k for e in entries for k in e[2]}
     sc = {k for e in entries for k in e[3]}
-    save_file(frozen_and_buffers(engine.module, exclude_frozen), os.path.join(tmp, "frozen.safetensors"),
+    save_file(frozen_and_buffers(trainee.module, exclude_frozen), os.path.join(tmp, "frozen.safetensors"),
               metadata={"format": "pt"})
-    scaler = engine.optimizer.loss_scaler
-    torch.save({"lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+    scaler, sched = trainee.optimizer.loss_scaler, trainee.lr_scheduler
+    torch.save({"lr_scheduler": sched.state_dict() if sched is not None else None,
                 "loss_scaler": dict(vars(scaler)) if scaler is not None else None,
-                "deepspeed": deepspeed_keys(engine), "client_state": client_state or {}},
+                "deepspeed": deepspeed_keys(trainee), "client_state": client_state or {}},
                os.path.join(tmp, "extra.pt"))
-    hf = getattr(engine.module, "config", None)
+    hf = getattr(trainee.module, "config", None)
     if hf is not None and hasattr(hf, "to_json_string"):
         with open(os.path.join(tmp, "config.json"), "w") as f:
             f.write(hf.to_json_string())
     for fname in ("frozen.safetensors", "extra.pt", "config.json"):
         if os.path.exists(os.path.join(tmp, fname)):
             digests[fname] = file_digest(os.path.join(tmp, fname))
-    write_meta(tmp, _json_safe({**_meta(engine, index, ew, sc), "frozen_excluded": exclude_frozen, DIGESTS: digests,
+    write_meta(tmp, _json_safe({**_meta(trainee, index, ew, sc), "frozen_excluded": exclude_frozen, DIGESTS: digests,
                                 "digest_scheme": DIGEST_SCHEME}))  # and meta.json.sha256, its seal
 
 
@@ -190,15 +191,16 @@ def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
         os.replace(os.path.join(save_dir, LATEST + ".tmp"), os.path.join(save_dir, LATEST))
 
 
-def save(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
+def save(trainee: Trainee, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
          exclude_frozen: bool = False) -> bool:
-    tag = _agree_on_tag(engine, tag)
-    engine.lins.check_host()  # host updates done on every rank (or every rank raises the failing one's error)
-    engine.lins.wait()  # fp32 masters alias the P storage an in-flight P-sync writes
+    """``trainee`` (built by ``integrations/checkpointing.py``) saved under ``save_dir/tag``; every rank calls it."""
+    tag = _agree_on_tag(trainee, tag)
+    trainee.runtime.check_host()  # host updates done on every rank (or every rank raises the failing one's error)
+    trainee.runtime.wait()  # fp32 masters alias the P storage an in-flight P-sync writes
     tmp = os.path.join(save_dir, tag + INCOMPLETE)
     _agreed(lambda: _start(save_dir, tmp, tag) if comm.rank() == 0 else None)
-    entries = comm.all_gather_object(_agreed(lambda: _write_shard(engine, tmp)))
-    _agreed(lambda: _write_rank0_files(engine, tmp, entries, client_state, exclude_frozen) if comm.rank() == 0
+    entries = comm.all_gather_object(_agreed(lambda: _write_shard(trainee, tmp)))
+    _agreed(lambda: _write_rank0_files(trainee, tmp, entries, client_state, exclude_frozen) if comm.rank() == 0
             else None)
     _agreed(lambda: _publish(save_dir, tag, tmp, save_latest) if comm.rank() == 0 else None)
     return True

@@ -11,8 +11,12 @@ installed DeepSpeed.
 from __future__ import annotations
 
 import deepspeed
+import torch
 from deepspeed.runtime.constants import GRADIENT_CLIPPING
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.utils import register_output_backward_hooks
+
+from ..runtime.step.executor import grad_tensors
 
 SUPPORTED = ">=0.19.6,<0.20"  # what CI tests: 0.19.6 (the last with MiCS) and the newest 0.19.x
 
@@ -91,3 +95,27 @@ def clipping_note(engine) -> str:
         return ""
     return (f"\n  gradient clipping: global norm {clip:g}, DeepSpeed's default (\"gradient_clipping\" is not set; "
             "set it to 0 for none)")
+
+
+def _visible_to_deepspeed(out) -> bool:
+    """Whether DeepSpeed's forward found a tensor to hook in ``out``: it walks tensors, tuples, lists and dicts
+    only (``deepspeed.runtime.utils.OutputBackwardHookManager``)."""
+    if isinstance(out, torch.Tensor):
+        return out.grad_fn is not None
+    if isinstance(out, (tuple, list)):
+        return any(_visible_to_deepspeed(v) for v in out)
+    if isinstance(out, dict):
+        return any(_visible_to_deepspeed(v) for v in out.values())
+    return False
+
+
+def hook_hidden_outputs(engine, out) -> None:
+    """A forward that returns its loss inside another object (a ``SimpleNamespace``, a plain dataclass): DeepSpeed
+    hooks none of it, so no backward would tell the optimizer it starts (``backward_prologue``) and no gradient
+    would be averaged over the accumulation steps. The same hooks go on the tensors inside it."""
+    if _visible_to_deepspeed(out):
+        return
+    hidden = [t for t in grad_tensors(out) if t.grad_fn is not None]
+    if hidden:
+        register_output_backward_hooks(hidden, preprocess_once_fn=engine._backward_prologue,
+                                       preprocess_per_tensor_fn=engine._backward_prologue_per_tensor)

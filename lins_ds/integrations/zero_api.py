@@ -56,9 +56,17 @@ class Mapping:
 
 def attach(engine) -> None:
     """Register the engine's modules for reads, and give each trainable parameter DeepSpeed's API (again after a
-    re-layout: a unit may release its buffer under one plan and not under another)."""
+    re-layout: a unit may release its buffer under one plan and not under another). Where parameters are partitioned,
+    generation keeps every rank in step: transformers' ``generate`` runs with ``synced_gpus``, as under ZeRO-3 (a rank
+    that finished keeps joining the others' gathers)."""
     _install_read_hooks()
     rt = engine.lins
+    partitioned = rt.partitions_params() and dist.get_world_size() > 1
+    for m in engine.module.modules():  # every one: a PEFT model's generate runs the wrapped model's, whose own
+        if partitioned:                # flag transformers reads (as the LayerDrop of its speech encoders)
+            m._is_fsdp_managed_module = True  # transformers' test for synced_gpus (ds_compat lists it)
+        elif m.__dict__.get("_is_fsdp_managed_module"):
+            del m._is_fsdp_managed_module
     for m in engine.modules():
         _OWNERS[m] = weakref.ref(rt)
     mapping, z3, ds_id = Mapping(engine), Zero3Optimizer(engine), 0

@@ -40,9 +40,15 @@ class HostSpec:
     source: str = "assumed"  # "measured on <device>" or "assumed"
     accumulate_elems_per_s: float = 4.0e9  # the host's sum of a micro-batch's gradient into the G accumulator
     norm_elems_per_s: float = 2.0e9  # the host's pass over a G accumulator for its norm
+    kind: str = "torch"  # the host optimizer that runs: "torch" or "deepspeed" (DeepSpeedCPUAdam)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
+
+
+def host_optimizer_of(host: Optional[HostSpec], offload_units: int) -> str:
+    """The host optimizer a plan runs (``Plan.host_optimizer``): the measured host's where the plan offloads."""
+    return host.kind if host is not None and offload_units > 0 else "torch"
 
 
 @dataclass(frozen=True)

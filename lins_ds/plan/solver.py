@@ -19,7 +19,7 @@ from typing import Optional
 from . import cost
 from .memory import ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
-from .offload import OffloadSpec, exposed_seconds as offload_exposed
+from .offload import HostSpec, OffloadSpec, exposed_seconds as offload_exposed, host_optimizer_of
 from .profile_table import ProfileTable
 from .spec import MemorySpec, TrainingSpec
 from .topology import Layout, PlanError, Topology, candidates, check_layout
@@ -85,6 +85,7 @@ class Evaluation:
     num_units: int = 0
     offload_grads: bool = False  # the offloaded units' G accumulators live on the host too
     offload_params: bool = False  # the offloaded units' P lives on the host too
+    host_optimizer: str = "torch"  # what updates the OS chunks on the host: "torch" or "deepspeed" (DeepSpeedCPUAdam)
 
     @property
     def checkpointing(self) -> bool:
@@ -134,6 +135,7 @@ class Plan:
     host_gb: float = 0.0  # host memory the offloaded OS chunks pin on this rank
     offload_grads: bool = False  # the offloaded units' G accumulators live on the host too
     offload_params: bool = False  # the offloaded units' P lives on the host too
+    host_optimizer: str = "torch"  # what updates the OS chunks on the host: "torch" or "deepspeed" (DeepSpeedCPUAdam)
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -149,6 +151,7 @@ class Plan:
             "memory_gb": self.memory_gb, "predicted_peak_gb": self.predicted_peak_gb,
             "memory_profile": self.memory_profile, "offload_units": self.offload_units, "host_gb": self.host_gb,
             "offload_grads": self.offload_grads, "offload_params": self.offload_params,
+            "host_optimizer": self.host_optimizer,
         }
 
     @classmethod
@@ -163,7 +166,7 @@ class Plan:
                    float(obj.get("memory_gb", 0)), float(obj.get("predicted_peak_gb", 0)),
                    obj.get("memory_profile", ""), layers, int(obj.get("offload_units", 0)),
                    float(obj.get("host_gb", 0.0)), bool(obj.get("offload_grads", False)),
-                   bool(obj.get("offload_params", False)))
+                   bool(obj.get("offload_params", False)), str(obj.get("host_optimizer", "torch")))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
@@ -298,12 +301,14 @@ def _no_plan(smallest: Evaluation, mem: MemorySpec) -> NoFeasiblePlan:
         f"{reserve} ({_gib(lack)} GiB more than available)", smallest, mem.capacity_gb)
 
 
-def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec, table: ProfileTable) -> Plan:
-    """The plan an evaluation describes (what the runtime executes)."""
+def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec, table: ProfileTable,
+            host: Optional[HostSpec] = None) -> Plan:
+    """The plan an evaluation describes (what the runtime executes); ``host``: the offload's host, whose optimizer
+    updates the offloaded units."""
     return Plan(topo, e.layout, e.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
                 model.name, table.source, e.comm_s, e.memory.total_gb, e.memory.allocated_gb,
                 e.memory.activation_source, model.num_layers, e.offload_units, e.memory.host_gb, e.offload_grads,
-                e.offload_params)
+                e.offload_params, host_optimizer_of(host, e.offload_units))
 
 
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
@@ -353,6 +358,6 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
         raise _no_plan(least_host or smallest, mem)
     best = fitting[0]
     faster = [e for e in evals if not e.fits and e.objective_s < best.objective_s]
-    return Solution(plan_of(best, topo, model, train, table), best, fitting[1] if len(fitting) > 1 else None,
+    return Solution(plan_of(best, topo, model, train, table, offload.host), best, fitting[1] if len(fitting) > 1 else None,
                     min(faster, key=Evaluation.sort_key) if faster else None,
                     considered, len(fitting), time.perf_counter() - t0, fitting=tuple(fitting))

@@ -15,7 +15,8 @@ class UnitStateError(RuntimeError):
 
 
 class RelayoutError(RuntimeError):
-    """Building the new plan failed on some rank; every rank is back on the old plan, its state intact."""
+    """A plan could not take effect (asked inside an accumulation window, or building it failed on some rank); every
+    rank is on the old plan, its state intact."""
 
 
 class HostProtocolError(RuntimeError):

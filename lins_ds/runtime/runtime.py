@@ -50,7 +50,7 @@ def runs_differently(a: Plan, b: Plan) -> bool:
     """Whether two plans execute differently (not only in what they predict)."""
     def key(p):
         return (p.topology, p.layout, p.activation_checkpointing_units, p.offload_units, p.offload_grads,
-                p.offload_params)
+                p.offload_params, p.host_optimizer)
     return key(a) != key(b)
 
 
@@ -79,7 +79,8 @@ class LinsRuntime:
                     self._group_of.setdefault(p, gi)
         self.plan: Optional[Plan] = None
         self.masters: Optional[Masters] = None  # this rank's master slices, once an optimizer is attached
-        self._basic, self._host_kind = None, "torch"
+        self._basic = None
+        self._views: list = []  # what shows the running plan to code outside (``show_through``)
         # a model built without values (lins_ds.init, the meta device) gets them unit by unit, and the rest whole
         self._start = (Materializer(module, device, init=init) if is_deferred(module) else None, device)
         self.apply(plan)
@@ -162,22 +163,18 @@ class LinsRuntime:
             unit.place_grads(host_grads.slot(unit) if unit in grads else None)
 
     # --- the optimizer's state: this rank's master slices (docs/design.md §3 step 4) ----------------------------
-    def attach_optimizer(self, basic, host_kind: str = "torch") -> None:
+    def attach_optimizer(self, basic) -> None:
         """``basic`` (the client's element-wise optimizer) now steps this rank's master slices of every unit's OS
-        chunk; ``host_kind`` ("torch" or "deepspeed") updates those the plan keeps on the host."""
-        self._basic, self._host_kind = basic, host_kind
+        chunk; the plan's ``host_optimizer`` ("torch" or "deepspeed") updates those it keeps on the host."""
+        self._basic = basic
         self._make_masters()
-
-    def set_host_optimizer(self, kind: str) -> None:
-        """What updates the host units from the next plan on (a re-sized plan measured the host again)."""
-        self._host_kind = kind
 
     def _make_masters(self) -> None:
         self.masters = Masters(self._basic, self.units, self.host_units)
         self._place_updater()
 
     def _place_updater(self) -> None:
-        self.host.place_updater(self._basic, self._host_kind, self.masters.on_host() if self.masters else [])
+        self.host.place_updater(self._basic, self.plan.host_optimizer, self.masters.on_host() if self.masters else [])
 
     def master_slices(self) -> list:
         """This rank's master slices (``MasterSlice``: ``param``, ``range`` with ``by_parameter()``, ``on_host``,
@@ -199,16 +196,39 @@ class LinsRuntime:
 
     # --- the one way a plan takes effect (docs/design.md §14) ---------------------------------------------------
     def apply(self, plan: Plan) -> Optional[RelayoutReport]:
-        """Make ``plan`` the running plan. At start-up: build it. Later every rank calls it at an accumulation boundary
-        (after ``step()``): a plan that runs the same (only its predictions differ) replaces the old at once; under the
+        """Make ``plan`` the running plan: the whole switch, the same at start-up and later. At start-up: build it. Later
+        every rank calls it at an accumulation boundary (after ``step()``; inside a window it refuses, before any
+        collective): a plan that runs the same (only its predictions differ) replaces the old at once; under the
         same layout only the units whose OS, G or P change place move, one at a time; another layout is staged,
-        rebuilt and filled (``step/staging.py``); the plan's activation checkpointing is set on the modules with its
-        units (``_set_checkpointing``). A failure on any rank is every rank's: each goes back to the running plan, its
-        state intact, and raises ``RelayoutError``."""
+        rebuilt and filled (``step/staging.py``). Either way the plan's activation checkpointing is set on the modules
+        (``_set_checkpointing``), its host optimizer updates the units it keeps on the host, and the views of the plan
+        shown to code outside (``show_through``: DeepSpeed's ZeRO-3 API) are set again. A failure on any rank is every
+        rank's: each goes back to the running plan, its state intact, and raises ``RelayoutError``."""
         if self.plan is None:
-            return self._first(plan)
+            self._first(plan)
+            return None
+        if self.progress.pending:
+            raise RelayoutError("relayout: only at an accumulation boundary (after engine.step()): this window holds "
+                                "gradients of a backward that no step has applied yet")
         if plan.topology != self.topo:
             raise RelayoutError(f"relayout: plan for {plan.topology}, this run is {self.topo}")
+        try:
+            return self._relayout(plan)
+        finally:
+            self._show()
+
+    def show_through(self, view: Callable[[], None]) -> None:
+        """``view()`` shows the running plan to code outside the runtime (``integrations.zero_api``: DeepSpeed's ZeRO-3
+        attributes on each parameter, which depend on whether its unit releases it): called now and after every
+        ``apply``, its failures included (the units may be new objects either way)."""
+        self._views.append(view)
+        view()
+
+    def _show(self) -> None:
+        for view in self._views:
+            view()
+
+    def _relayout(self, plan: Plan) -> RelayoutReport:
         digests = comm.all_gather_object(plan.digest())
         if len(set(digests)) != 1:
             raise RelayoutError(f"relayout: ranks were given different plans (digests {digests})")
@@ -251,7 +271,7 @@ class LinsRuntime:
         self._place(plan)
         self._set_checkpointing(plan)
         if self.masters is not None:
-            self.host.place_updater(self._basic, self._host_kind, [])  # its pinned copies go with the slices moved
+            self.host.place_updater(self._basic, plan.host_optimizer, [])  # its pinned copies go with the slices moved
             self.masters.place(self.units, self.host_units)
             self._place_updater()
 
@@ -305,6 +325,7 @@ class LinsRuntime:
     def begin_backward(self) -> None:
         self.progress.phase, self.progress.ends_window = Phase.BACKWARD, self._ends_window()
         self.progress.window_done = False
+        self.progress.pending = True
         if self.host.grads is not None:
             self.host.grads.ends_window = self.progress.ends_window
         self._executor.begin_backward()
@@ -462,7 +483,7 @@ class LinsRuntime:
         return self._slot_of[param]
 
     def zero_gradients(self) -> None:
-        self.progress.window_done = False
+        self.progress.window_done, self.progress.pending = False, False
         if self.host.grads is not None:
             self.host.grads.reset()
         for unit in self.units:

@@ -19,7 +19,7 @@ from ... import comm, dtypes
 from ...plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                      load_model)
 from ...plan.context import SolveContext, check_placement as _check_placement, compute_for, reserved_gb
-from ...plan.offload import HostSpec, OffloadSpec, ladder, rungs_from, walk
+from ...plan.offload import HostSpec, OffloadSpec, host_optimizer_of, ladder, rungs_from, walk
 from ...plan.solver import NoFeasiblePlan, _gib
 from ...plan import cost, report
 from ...plan.layout import needs_unsorted_groups
@@ -177,12 +177,12 @@ class HostProbe:
     """The host's description for the offload rungs (``plan.offload.ladder``), made the first time a rung needs it:
     measured on every rank and rank 0's kept (every rank must price the same plan) on a GPU, assumed on a CPU. None
     where "auto" cannot offload here (a CPU device; a host optimizer that does not run: said, and training goes on
-    without offload); a fixed offload that cannot run raises on every rank. ``kind``: the host optimizer it chose."""
+    without offload); a fixed offload that cannot run raises on every rank. The spec's ``kind`` is the host optimizer
+    it chose (a plan that offloads runs it: ``Plan.host_optimizer``)."""
 
     def __init__(self, basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tuple = (torch.bfloat16,) * 2,
                  given: Optional[HostSpec] = None):
         self.basic, self.cfg, self.device, self.grad_dtypes = basic, cfg, device, grad_dtypes
-        self.kind: Optional[str] = None  # None: nothing measured (``given``, or not yet)
         self._done, self._host = given is not None, given
 
     def __call__(self) -> Optional[HostSpec]:
@@ -196,8 +196,8 @@ class HostProbe:
             return None
         capacity = host_capacity_gb(cfg)
         if device.type != "cuda":
-            self.kind = "torch" if cfg.host_optimizer == "auto" else cfg.host_optimizer
-            return HostSpec(capacity, source="assumed: a CPU device")
+            kind = "torch" if cfg.host_optimizer == "auto" else cfg.host_optimizer
+            return HostSpec(capacity, source="assumed: a CPU device", kind=kind)
         try:
             found, error = host_optimizer.measure(self.basic, cfg.host_optimizer, device, capacity,
                                                   grad_dtypes=self.grad_dtypes), None
@@ -209,8 +209,8 @@ class HostProbe:
             return None
         if error:
             raise LinsConfigError(error)
-        host, self.kind = comm.broadcast_object(found)
-        return host
+        host, kind = comm.broadcast_object(found)
+        return dataclasses.replace(host, kind=kind)
 
 
 def offload_rungs(cfg: LinsConfig, host) -> list:
@@ -295,9 +295,11 @@ def fixed_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int =
         context = solve_context(facts, cfg, k, table, offload, seq_len)
     except PlanError as e:  # a prediction never blocks a fixed plan; a fixed offload still applies
         if spec.mode == "fixed":
-            plan = dataclasses.replace(plan, offload_units=spec.choices(n + 1)[0],
+            units = spec.choices(n + 1)[0]
+            plan = dataclasses.replace(plan, offload_units=units,
                                        offload_grads=spec.grad_choices(layout, topo.world_size) == [True],
-                                       offload_params=spec.param_choices(layout) == [True])
+                                       offload_params=spec.param_choices(layout) == [True],
+                                       host_optimizer=host_optimizer_of(spec.host, units))
         return plan, summary + _fixed_offload_note(plan) + f" (memory not predicted: {e})", None
     return fixed_predicted(context, plan, summary)
 
@@ -314,7 +316,8 @@ def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
                                memory_profile=e.memory.activation_source, offload_units=e.offload_units,
                                host_gb=e.memory.host_gb, offload_grads=e.offload_grads,
-                               offload_params=e.offload_params)
+                               offload_params=e.offload_params,
+                               host_optimizer=host_optimizer_of(context.offload.host, e.offload_units))
     summary += _fixed_offload_note(plan)
     summary += (f"; predicted peak {e.memory.allocated_gb:.2f} GiB allocated, {e.memory.total_gb:.2f} GiB with "
                 f"margin and reserve (activations: {context.activations_note})")
@@ -334,7 +337,7 @@ class NoPlanFits(LinsConfigError):
 
 
 def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
-    """(plan, summary, solve context or None, host optimizer kind): solved, or the fixed layout of the config, on the
+    """(plan, summary, solve context or None): solved, or the fixed layout of the config, on the
     first rung of lins.offload's ladder that fits (``offload_rungs``, walked by ``plan.offload.walk``: "auto" offers
     offload only where no GPU-resident plan fits; a fixed offload is its one rung)."""
     build = solve_plan if cfg.solve else fixed_plan
@@ -343,7 +346,7 @@ def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
     def attempt(spec: OffloadSpec) -> tuple:
         plan, summary, context = build(facts, cfg, spec, seq_len=seq_len)
         fits = cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb
-        return (plan, summary, context, host.kind if spec.mode != "off" else "torch"), fits
+        return (plan, summary, context), fits
 
     return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
 
@@ -396,7 +399,7 @@ def forward_only_plan(facts: LaunchFacts, cfg: LinsConfig) -> tuple:
 
 
 def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, plan: Plan, seq_len: int) -> tuple:
-    """(plan, summary, context, host optimizer kind or None) sized for ``seq_len`` from the start-up ``context``
+    """(plan, summary, context) sized for ``seq_len`` from the start-up ``context``
     (its timing table, activation profile and offload: nothing is measured again, except the host where offload
     becomes necessary, on every rank alike). The ladder is walked from the rung the context stands on. A fixed layout
     keeps its layout and checkpointing."""
@@ -407,7 +410,7 @@ def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, 
     def attempt(spec: OffloadSpec) -> tuple:
         ctx = dataclasses.replace(context, offload=spec)
         out = solved(ctx, inferred) if cfg.solve else fixed_predicted(ctx, plan, _fixed_summary(plan))
-        return (*out, host.kind), cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
+        return out, cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
 
     return walk(rungs_from(offload_rungs(cfg, host), context.offload), attempt, (NoPlanFits,))
 

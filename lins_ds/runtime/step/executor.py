@@ -70,6 +70,7 @@ class Progress:
     ends_window: bool = False  # the running backward ends an accumulation window (replica AllReduces start in it)
     window_done: bool = False  # a window's last backward has ended and its step has not run: its gradients are whole
     busy: int = 0  # the engine or the model is running (forward, backward, step): reads are its own, not the user's
+    pending: bool = False  # a backward's gradients that no step has applied (or dropped) yet: a window is open
 
 
 def grad_tensors(out, depth: int = 3) -> list:

@@ -1,13 +1,13 @@
 """One place decides (issue 62, docs/design.md §7): the start-up plan, its re-size for the training batches' length,
 tuning and its cache, and the memory guard. The ``Planner`` answers the engine's events — the first plan, a training
-batch's length, a step ended — with a plan, and the engine hands every plan to ``LinsRuntime.apply`` (through its
-``relayout``: the accumulation boundary checked, the ZeRO view attached again). It reads the launch from
-``LaunchFacts``, never the engine."""
+batch, a step ended — with a plan, which it hands to ``LinsRuntime.apply`` (the whole switch: the accumulation boundary
+checked, checkpointing, the host optimizer and the ZeRO view set; start-up is the runtime's first ``apply``). It reads
+the launch from ``LaunchFacts``, never the engine."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 from ... import comm
 from ...plan import Plan
@@ -15,8 +15,8 @@ from ..config import LinsConfig
 from ..memory import memory_guard
 from ..runtime import runs_differently
 from ..startup.facts import LaunchFacts
-from ..startup.planning import agree_on_plan, announce, forward_only_plan, plan_for_length, start_plan
-from ..startup.seq_len import LengthWatch
+from ..startup.planning import agree_on_plan, announce, forward_only_plan, misaligned_note, plan_for_length, start_plan
+from ..startup.seq_len import LengthWatch, batch_length
 from . import tune
 
 GUARD_AFTER_STEPS = 2  # the memory guard's step: the first whose forward and backward hold the optimizer's state
@@ -29,15 +29,15 @@ class Planner:
         self.lengths: Optional[LengthWatch] = None  # lins.seq_len not set: the batches size the plan
         self.tuner: Optional[tune.Tuner] = None  # "plan": "tune", while trials run
         self.tune_report: Optional[list] = None  # the trials' table once tuning is over
-        self.host_kind = "torch"  # the host optimizer the plan's offload runs
         self._tune_pending = False  # "tune" waits for the batches' length
         self._trials: Optional[tuple] = None  # (candidates, decision) to start once the runtime exists
 
     # --- the first plan ------------------------------------------------------------------------------------
-    def first(self, settings: dict, check_collectives: bool) -> tuple:
-        """(plan, summary, whether any rank asked for the collective-order check) of a training engine: solved or
-        fixed, sized for the start-up length, a cached tune decision applied; agreed by every rank."""
-        plan, summary, self.context, self.host_kind = start_plan(self.facts, self.cfg)
+    def first(self, settings: dict, notes: str = "") -> tuple:
+        """(plan, whether any rank asked for the collective-order check) of a training engine: solved or fixed, sized
+        for the start-up length, a cached tune decision applied; agreed by every rank and announced with ``notes``
+        (what the engine adds: the allocator, clipping)."""
+        plan, summary, self.context = start_plan(self.facts, self.cfg)
         if self.context is not None and self.cfg.seq_len is None:
             self.lengths = LengthWatch(self.context.train.seq_len)
             summary += (f"\n  sequence length: {self.context.train.seq_len} until the first training batch, "
@@ -48,7 +48,9 @@ class Planner:
             else:
                 plan, summary, cands, decision = self._tune_start(plan, summary)
                 self._trials = (cands, decision) if cands is not None else None
-        return plan, summary, agree_on_plan(plan, check_collectives, settings)
+        check = agree_on_plan(plan, self.cfg.check_collectives or comm.check_requested(), settings)
+        announce(summary + notes + misaligned_note(self.facts.module, self.facts.gemm_dtype))
+        return plan, check
 
     def forward_only(self, settings: dict) -> Plan:
         """The plan of an engine without an optimizer (only P matters), agreed and announced."""
@@ -57,56 +59,56 @@ class Planner:
         announce(summary)
         return plan
 
-    def start_trials(self, relayout: Callable, running: Plan) -> None:
+    def start_trials(self, runtime) -> None:
         """Once the runtime runs the first plan: the tuner's trials, where tuning has candidates to time."""
         if self._trials is not None:
             cands, decision = self._trials
             self._trials = None
             ctx = self.context
-            self.tuner = tune.Tuner(relayout, ctx, running, self.facts.device, cands, self.cfg.tune,
+            self.tuner = tune.Tuner(runtime.apply, ctx, runtime.plan, self.facts.device, cands, self.cfg.tune,
                                     ctx.mem.capacity_gb - ctx.mem.reserved_gb, decision)
 
+    def started(self, runtime, seconds: float) -> None:
+        """The engine is built: its start-up time and peaks reported (the memory guard's first look)."""
+        memory_guard.report_startup(runtime, self.context, seconds)
+
     # --- a training batch ----------------------------------------------------------------------------------
-    def on_batch(self, length: Optional[int], window_start: bool, global_steps: int, running: Plan,
-                 relayout: Callable, set_host_optimizer: Callable) -> None:
-        """A training batch of ``length`` tokens is about to run: at the agreed points, the plan re-sized for the
-        longest length every rank saw (and tuning started where it waited for it)."""
+    def on_batch(self, args: tuple, kwargs: dict, window_start: bool, global_steps: int, runtime) -> None:
+        """A training batch (the forward's arguments) is about to run: at the agreed points, the plan re-sized for
+        the longest length every rank saw (and tuning started where it waited for it), applied to ``runtime``."""
         watch = self.lengths
         if watch is None:
             return
+        length = batch_length(args, kwargs, self.facts.micro_batch)
         watch.see(length)
         if not watch.due(window_start, global_steps):
             watch.warn_if_longer(length)
             return
         longest = watch.agree(global_steps)
         if longest is not None:
-            self._size_for_length(longest, running, relayout, set_host_optimizer)
+            self._size_for_length(longest, runtime)
 
-    def _size_for_length(self, n: int, old: Plan, relayout: Callable, set_host_optimizer: Callable) -> None:
-        watch, ctx = self.lengths, self.context
+    def _size_for_length(self, n: int, runtime) -> None:
+        watch, ctx, old = self.lengths, self.context, runtime.plan
         first, before = not watch.settled, watch.planned
-        running = old
         if n != ctx.train.seq_len:
-            plan, summary, self.context, host_kind = plan_for_length(self.facts, self.cfg, ctx, old, n)
-            if host_kind is not None:
-                set_host_optimizer(host_kind)
-            rep = relayout(plan)  # the same execution: only this length's predictions change, nothing moves
-            running = plan
+            plan, summary, self.context = plan_for_length(self.facts, self.cfg, ctx, old, n)
+            rep = runtime.apply(plan)  # the same execution: only this length's predictions change, nothing moves
             moved = f"; moved onto it in {rep.seconds:.1f} s" if runs_differently(plan, old) else ""
             why = "the first training batches are" if first else f"a training batch is longer than {before}:"
             announce(f"lins: {why} {n} tokens long; plan re-sized for {n}{moved}\n{summary}")
         watch.settled, watch.planned = True, n
         if self._tune_pending:
             self._tune_pending = False
+            running = runtime.plan
             plan, summary, cands, decision = self._tune_start(running, "lins tune (sequence length "
                                                               f"{n}, from the training batches):")
             announce(summary)
             if plan is not running and runs_differently(plan, running):
-                relayout(plan)
-                running = plan
+                runtime.apply(plan)
             if cands is not None:
                 self._trials = (cands, decision)
-                self.start_trials(relayout, running)
+                self.start_trials(runtime)
 
     # --- a step ended --------------------------------------------------------------------------------------
     def after_step(self, before: int, after: int, runtime) -> None:

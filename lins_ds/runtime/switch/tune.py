@@ -216,7 +216,8 @@ class Tuner:
         self.relayout, self.budget_gb, self.decision = relayout, budget_gb, decision
         self.steps, self.precision, self.max_steps = spec.steps, spec.precision, spec.max_steps
         self.warmup = spec.warmup_steps
-        self.trials = [Trial(c, plan_of(c.evaluation, context.topo, context.model, context.train, context.table))
+        self.trials = [Trial(c, plan_of(c.evaluation, context.topo, context.model, context.train, context.table,
+                                     context.offload.host))
                        for c in cands]
         self.trials[0].plan = running
         self.current = 0  # the trial whose plan the engine runs now

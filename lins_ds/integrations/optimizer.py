@@ -18,7 +18,7 @@ import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
-from ..errors import LinsConfigError
+from ..runtime.errors import LinsConfigError
 
 
 def _known_elementwise() -> tuple:
@@ -103,10 +103,9 @@ def prefer_fused_kernel(optimizer, device: torch.device) -> bool:
 
 class LinsOptimizer(ZeROOptimizer):
     def __init__(self, basic, runtime, clip: float = 0.0, fp16: bool = False, static_loss_scale: float = 1.0,
-                 dynamic_loss_scale: bool = False, dynamic_loss_args=None, host_optimizer: str = "torch"):
+                 dynamic_loss_scale: bool = False, dynamic_loss_args=None):
         """``basic`` must be element-wise (``check_elementwise``, which the engine runs before any collective); the
-        runtime binds it to this rank's master slices. ``host_optimizer`` ("torch" or "deepspeed") updates the units
-        whose OS the plan puts on the host."""
+        runtime binds it to this rank's master slices."""
         super().__init__()
         self.optimizer, self.runtime, self.clip = basic, runtime, clip
         self.custom_loss_scaler, self.torch_autocast_gradscaler = False, None
@@ -116,7 +115,7 @@ class LinsOptimizer(ZeROOptimizer):
         self.overflow = False
         self._global_grad_norm = None
         self.fused_kernel = prefer_fused_kernel(basic, runtime.device)
-        runtime.attach_optimizer(basic, host_optimizer)
+        runtime.attach_optimizer(basic)
 
     # DeepSpeed and schedulers reach through to the basic optimizer's groups and state.
     @property
