@@ -367,6 +367,9 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
         "peak_memory_gb": max_over_ranks(torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
         "peak_reserved_gb": max_over_ranks(torch.cuda.max_memory_reserved() / 2**30) if cuda else None,
         "memory_phases": phases,
+        # how often the caching allocator went to the device (a cap it met frees its cache and synchronises: slow)
+        "allocator_events": {k: torch.cuda.memory_stats().get(k) for k in ("num_alloc_retries", "num_sync_all_streams",
+                             "num_device_alloc", "num_device_free", "num_ooms")} if cuda else None,
         "losses": losses, "step_times_s": times,
         "plan": lins.plan.to_json() if lins is not None else None,
         "offload": offload_summary(engine, len(times)),

@@ -446,8 +446,8 @@ class LinsRuntime:
         theirs (a submodule's ``zero_grad``), else every gradient. After ``step()`` there is nothing to drop."""
         if self.progress.phase is Phase.BACKWARD:
             raise RuntimeError("lins: zero_grad() inside a backward")
-        if self.forward_only:
-            return
+        if self.forward_only or not self.progress.pending:  # DeepSpeed's own, after every step: nothing to drop, and
+            return  # nothing to wait for (the step's host updates and P-syncs go on behind the next forward)
         self._executor.complete_reductions()
         mine = None if params is None else [p for p in params if p in self._slot_of]
         if mine is None or len(set(mine)) == len(self._slot_of):
