@@ -630,7 +630,7 @@ def test_a_unit_waits_on_its_ticket_and_a_worker_that_died_unannounced_is_an_err
     import threading
     import time
 
-    from lins_ds.runtime.step.offload import HostTicket, HostUpdater
+    from lins_ds.runtime.step.host_updater import HostTicket, HostUpdater
 
     updater = HostUpdater.__new__(HostUpdater)  # only what a wait reads: its thread, its error, its counter
     updater.device, updater._error, updater.waited_s = torch.device("cpu"), None, 0.0

@@ -1,11 +1,14 @@
-"""Host memory for offload (docs/design.md §13): page-locked buffers for copies to and from a GPU, and the host's
-passes over them that more than one component takes."""
+"""Host memory for offload (docs/design.md §13): page-locked buffers for copies to and from a GPU, the tier they make
+(``PinnedHost``, the one implementation of ``storage.Tier``), and the host's passes over them that more than one
+component takes."""
 
 from __future__ import annotations
 
 import weakref
 
 import torch
+
+from .storage import Lane, StreamLane, SyncLane, Tier
 
 HOST_PIECE = 1 << 25  # elements per host master tensor (128 MiB in fp32): few enough calls that the worker rarely
 # waits for the GIL, small enough that the first update starts soon and memory-bound temporaries stay small
@@ -42,6 +45,22 @@ def _unregister(ptr: int, device: torch.device) -> None:
     """A registered buffer's storage died: no copy may still read or write it, then it is unregistered."""
     torch.cuda.synchronize(device)
     torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class PinnedHost(Tier):
+    """Host memory as offload's tier: page-locked buffers (``host_empty``) that a GPU's copy engines read and write
+    while it computes, each client's copies non-blocking on a CUDA stream of its own. On a CPU device the "host" is a
+    separate tensor pool on the same memory and its copies are plain and synchronous: the same code paths run, which
+    is what the CPU tests check."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocate(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return host_empty(n, dtype, self.device)
+
+    def lane(self) -> Lane:
+        return StreamLane(self.device) if self.device.type == "cuda" else SyncLane()
 
 
 def square_sum(acc: torch.Tensor, scratch: torch.Tensor) -> float:
