@@ -17,8 +17,9 @@ LAYERS = [{"plan", "version"}, {"comm", "dtypes"}, {"profiler"}, {"runtime"}, {"
           {"cli", "run", "tools", "__init__"}]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 # runtime/ in rooms by role, each importing only rooms before it: what every room reads (errors, the config), the
-# step machinery, memory (probe, guard), start-up, the owner of a plan's runtime (runtime.runtime), switching plans
-ROOMS = [{"errors", "config"}, {"step"}, {"memory"}, {"startup"}, {"runtime"}, {"switch"}]
+# step machinery, memory (probe, guard), start-up, the owner of a plan's runtime (runtime.runtime, and full_values: its
+# verbs for one parameter's whole value), switching plans
+ROOMS = [{"errors", "config"}, {"step"}, {"memory"}, {"startup"}, {"runtime", "full_values"}, {"switch"}]
 ROOM_RANK = {name: i for i, room in enumerate(ROOMS) for name in room}
 
 

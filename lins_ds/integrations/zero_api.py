@@ -98,86 +98,24 @@ def detach(engine) -> None:
 # --- full values (collectives: every rank calls them) -------------------------------------------------------
 def full_value(engine, param, key=None) -> torch.Tensor:
     """The fp32 master of ``param`` (``key`` None) or its element-wise optimizer state ``key``, whole, on every rank."""
-    rt, opt = engine.lins, engine.optimizer
-    rt.join_host()  # masters on the host are being written by the last step's update
-    unit, slot, slices = rt.master_slices_of(param)
-    buf = torch.zeros(slot.numel + 1, dtype=torch.float32, device=rt.device)
-    if rt.is_checkpoint_writer:  # one OS replica contributes: the sum is exact
-        for sl in slices:
-            src = sl.param.data if key is None else opt.state.get(sl.param, {}).get(key)
-            for name, (a, b), (s, e) in sl.range.by_parameter():
-                if name != slot.name:
-                    continue
-                if not (torch.is_tensor(src) and src.shape == sl.param.shape):
-                    buf[-1] = 1.0  # no such element-wise state (yet) on this rank
-                    continue
-                buf[a:b].copy_(src[s:e])
-    rt.sum_over_world(buf, "full-param")
-    if buf[-1].item():
-        raise ValueError(f"lins: parameter {slot.name} has no element-wise optimizer state {key!r} (yet): "
-                         f"keys after a step: {sorted(_state_keys(opt))}")
-    return buf[:-1].view(slot.shape)
+    return engine.lins.full_value(param, key)
 
 
 def set_full_value(engine, param, value: torch.Tensor, key=None) -> None:
     """Write ``value`` (the whole parameter, the same on every rank) into the fp32 master or state ``key`` of every
     slice this rank holds, and, for the master, into the parameter this rank holds; no collective."""
-    rt, opt = engine.lins, engine.optimizer
-    rt.join_host()
-    rt.params_current()
-    unit, slot, slices = rt.master_slices_of(param)
-    flat = value.detach().reshape(-1)
-    with torch.no_grad():
-        for sl in slices:
-            dst = sl.param.data if key is None else opt.state.get(sl.param, {}).get(key)
-            if not (torch.is_tensor(dst) and dst.shape == sl.param.shape):
-                raise ValueError(f"lins: parameter {slot.name} has no element-wise optimizer state {key!r}")
-            for name, (a, b), (s, e) in sl.range.by_parameter():
-                if name == slot.name:
-                    dst[s:e].copy_(flat[a:b])
-        if key is None:
-            unit.write_param(slot, flat)
+    engine.lins.write_value(param, value, key)
 
 
 def full_grad(engine, param) -> torch.Tensor:
     """``param``'s gradient for the window just ended, averaged over the ranks (and unscaled), whole, on every rank."""
-    rt, opt = engine.lins, engine.optimizer
-    _require_window(rt)
-    rt.finish_gradients()  # every replica AllReduce done (the step's own call then finds nothing to do)
-    rt.host_grads_final()  # G on the host: every push of the window added in
-    unit, slot = rt.slot_of(param)
-    buf = torch.zeros(slot.numel, dtype=torch.float32, device=rt.device)
-    r = unit.os_range(slot.group)
-    if rt.is_checkpoint_writer and r is not None:
-        grads = r.grads()
-        for name, (a, b), (s, e) in r.by_parameter():
-            if name == slot.name:
-                buf[a:b].copy_(grads[s:e])
-    rt.sum_over_world(buf, "full-grad")
-    return buf.div_(rt.topo.world_size * opt.cur_scale).view(slot.shape)
+    return engine.lins.full_grad(param, engine.optimizer.cur_scale)
 
 
 def set_full_grad(engine, param, value: torch.Tensor) -> None:
     """Make ``value`` (averaged over the ranks, as ``full_grad`` gives it) the window's gradient of ``param`` in this
     rank's G accumulator; no collective."""
-    rt, opt = engine.lins, engine.optimizer
-    _require_window(rt)
-    rt.finish_gradients()
-    rt.host_grads_final()
-    unit, slot = rt.slot_of(param)
-    flat = value.detach().reshape(-1).float() * (rt.topo.world_size * opt.cur_scale)
-    unit.write_grad(slot, flat)
-    rt.host_grads_written()
-
-
-def _require_window(rt) -> None:
-    if not rt.window_done():
-        raise ValueError("lins: the full gradient is available between the backward that ends an accumulation window "
-                         "and engine.step() (as under ZeRO-1/2)")
-
-
-def _state_keys(opt) -> set:
-    return {k for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+    engine.lins.write_grad(param, value, engine.optimizer.cur_scale)
 
 
 # --- the methods DeepSpeed's helpers call on a parameter ------------------------------------------------------
@@ -243,12 +181,8 @@ def _partition(self, param_list=None, hierarchy=None, has_been_updated=False, fr
     params = param_list if param_list is not None else [self]
     engine = self._hp_mapping.engine
     if has_been_updated:
-        for p in params:
-            if engine.optimizer is not None:
-                set_full_value(engine, p, p.data.float())
-            else:  # forward only: the parameters are all there is
-                unit, slot = engine.lins.slot_of(p)
-                unit.write_param(slot, p.data.reshape(-1))
+        for p in params:  # forward only, the parameters are all there is (``LinsRuntime.write_value``)
+            set_full_value(engine, p, p.data.float())
     engine.lins.unhold_params(params)
 
 

@@ -29,6 +29,7 @@ from ..plan.layout import is_first_replica
 from ..plan.offload import grads_may_leave, hides_behind_forward, params_may_leave
 from ..plan.tune import label
 from .errors import RelayoutError
+from .full_values import FullValues
 from .startup import init_replay
 from .startup.assign import assign_units, build_unit
 from .step import recompute, staging
@@ -54,7 +55,7 @@ def runs_differently(a: Plan, b: Plan) -> bool:
     return key(a) != key(b)
 
 
-class LinsRuntime:
+class LinsRuntime(FullValues):
     def __init__(self, module: torch.nn.Module, plan: Plan, param_groups: list, accum_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, unit_modules=None, overlap_param_sync: bool = True,
                  device: Optional[torch.device] = None, check_collectives: bool = False,
@@ -180,11 +181,6 @@ class LinsRuntime:
         """This rank's master slices (``MasterSlice``: ``param``, ``range`` with ``by_parameter()``, ``on_host``,
         ``write_back()``), group-major, units in order: what a checkpoint saves and loads."""
         return list(self.masters.slices) if self.masters is not None else []
-
-    def master_slices_of(self, param) -> tuple:
-        """(unit, slot, the master slices of its unit) for trainable ``param`` (``zero_api``'s full values)."""
-        unit, slot = self._slot_of[param]
-        return unit, slot, self.masters.of_unit(unit) if self.masters is not None else []
 
     def join_host(self) -> None:
         """This rank's host updates done (no collective): what a read of the host masters needs."""
@@ -477,10 +473,6 @@ class LinsRuntime:
     def _units_of(self, params) -> list:
         mine = {self._slot_of[p][0] for p in params if p in self._slot_of}
         return [u for u in self.units if u in mine]
-
-    def slot_of(self, param) -> tuple:
-        """(unit, slot) holding trainable parameter ``param``; KeyError for one outside every unit (frozen)."""
-        return self._slot_of[param]
 
     def zero_gradients(self) -> None:
         self.progress.window_done, self.progress.pending = False, False
