@@ -17,7 +17,7 @@ from lins_ds.plan import (ComputeSpec, MemorySpec, NoFeasiblePlan, PlanError, To
                           get_cluster, load_model, solve)
 from lins_ds.plan.memory import memory
 from lins_ds.plan import Plan
-from lins_ds.plan.offload import HostSpec, OffloadSpec, ladder, rungs_from, unit_seconds, walk
+from lins_ds.plan.offload import DEVICE, HOST, HostSpec, OffloadSpec, Placement, ladder, rungs_from, unit_seconds, walk
 from lins_ds.plan.report import describe
 from lins_ds.plan.solver import evaluate
 
@@ -56,7 +56,7 @@ def offload_facts(engine) -> dict:
     """What an engine says of its offload (picklable)."""
     opt, rt = engine.optimizer, engine.lins
     host_units = list(rt.host_units)
-    return {"units": len(rt.units), "offload_units": rt.plan.offload_units, "host_units": len(host_units),
+    return {"units": len(rt.units), "offload_units": rt.plan.placement.n_units, "host_units": len(host_units),
             "host_units_are_last": host_units == rt.units[len(rt.units) - len(host_units):],
             "has_host": rt.host.updater is not None,
             "host_updater_units": len(rt.host.updater.units()) if rt.host.updater is not None else 0,
@@ -232,7 +232,7 @@ def scheduled_runs(runs):
                                           config=config({"plan": plan, "offload": offload,
                                                          "host_optimizer": "torch"}))
         states = train(engine, after_step=lambda e: (state(e), e.get_lr()[0]))
-        out.append((plan, offload, states, engine.lins.plan.offload_units))
+        out.append((plan, offload, states, engine.lins.plan.placement.n_units))
         engine.destroy()
     return out
 
@@ -311,7 +311,7 @@ def save_and_resume(ckpt_on, ckpt_off):
                                       ("offload -> half, other plan", ckpt_on, OS_SHARDED, HALF)):
         engine = make_engine(plan, offload)
         engine.load_checkpoint(ckpt)
-        facts.append((name, offload, engine.lins.plan.offload_units, engine.lins.host.updater is not None,
+        facts.append((name, offload, engine.lins.plan.placement.n_units, engine.lins.host.updater is not None,
                       engine.global_steps))
         resumed[name] = ckpt_steps(engine, K, K)
         engine.destroy()
@@ -457,7 +457,7 @@ def gpu_resident_minimum() -> float:
 
 def test_planner_offloads_nothing_when_the_gpu_holds_everything():
     sol = solve(MODEL, TOPO, TRAIN, MemorySpec(1000), TABLE, offload=auto())
-    assert sol.plan.offload_units == 0 and sol.best.offload_units == 0
+    assert sol.plan.placement.n_units == 0 and sol.best.placement.n_units == 0
     assert sol.plan.host_gb == 0 and sol.best.memory.host_gb == 0
     assert sol.best.offload_s == 0
 
@@ -471,18 +471,18 @@ def test_planner_offloads_what_a_small_gpu_needs():
         solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE)  # off by default
     sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto())
     units = len(MODEL.unit_params())
-    assert 0 < sol.plan.offload_units < units
+    assert 0 < sol.plan.placement.n_units < units
     assert sol.best.memory.total_gb <= budget
     assert sol.plan.host_gb > 0 and sol.plan.host_gb == sol.best.memory.host_gb <= BIG_HOST.capacity_gb
     assert sol.best.offload_s > 0  # offload is priced
     # the fewest units that fit: one fewer would not (with the same layout and checkpointing)
     fewer = evaluate(TOPO, sol.best.layout, sol.best.ckpt_units, MODEL, TRAIN, MemorySpec(budget), TABLE,
-                     ComputeSpec(), offload_units=sol.plan.offload_units - 1, offload=auto(),
-                     offload_grads=sol.best.offload_grads)
+                     ComputeSpec(), placement=sol.best.placement.with_units(sol.plan.placement.n_units - 1),
+                     offload=auto())
     assert fewer.memory.total_gb > budget
     # a smaller budget offloads more
     smaller = solve(MODEL, TOPO, TRAIN, MemorySpec(budget - 15), TABLE, offload=auto())
-    assert smaller.plan.offload_units > sol.plan.offload_units
+    assert smaller.plan.placement.n_units > sol.plan.placement.n_units
 
 
 def test_planner_names_host_memory_when_it_is_short():
@@ -504,9 +504,10 @@ def test_fixed_fraction_and_the_optimizer_term():
             OffloadSpec("fixed", bad, host=BIG_HOST)
     units = len(MODEL.unit_params())
     sol = solve(MODEL, TOPO, TRAIN, MemorySpec(1000), TABLE, offload=OffloadSpec("fixed", 0.5, host=BIG_HOST))
-    assert sol.plan.offload_units == math.ceil(0.5 * units)  # fixed: even where nothing needs it
+    assert sol.plan.placement.n_units == math.ceil(0.5 * units)  # fixed: even where nothing needs it
     (layout,) = candidates(TOPO)
-    terms = [memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, 0, offload_units=k) for k in range(units + 1)]
+    terms = [memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, 0, placement=Placement.of(k))
+             for k in range(units + 1)]
     optimizer = [t.terms["optimizer"] for t in terms]
     host = [t.host_gb for t in terms]
     assert all(a > b for a, b in pairwise(optimizer)), optimizer
@@ -520,8 +521,8 @@ def test_gradients_on_the_host_lower_the_gpu_floor():
     (layout,) = candidates(TOPO)
     units, k = MODEL.unit_params(), len(MODEL.unit_params())
     n = MODEL.num_layers
-    os_only = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, offload_units=k)
-    with_g = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, offload_units=k, offload_grads=True)
+    os_only = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, placement=Placement.of(k))
+    with_g = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, placement=Placement.of(k, g=HOST))
     g_gib = TRAIN.grad_bytes * sum(units) / 2**30
     assert os_only.terms["grads"] == pytest.approx(g_gib, rel=0.01)
     assert with_g.terms["grads"] == 0
@@ -531,7 +532,7 @@ def test_gradients_on_the_host_lower_the_gpu_floor():
     with pytest.raises(NoFeasiblePlan):
         solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=OffloadSpec("auto", host=BIG_HOST, grads="gpu"))
     sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto())
-    assert sol.plan.offload_grads and sol.best.offload_grads and sol.best.memory.total_gb <= budget
+    assert sol.plan.placement.offloads("g") and sol.best.placement.offloads("g") and sol.best.memory.total_gb <= budget
     assert "OS and G" in describe(sol.best)
     assert Plan.from_json(sol.plan.to_json()) == sol.plan
 
@@ -539,17 +540,18 @@ def test_gradients_on_the_host_lower_the_gpu_floor():
 def test_gradients_go_to_the_host_only_where_no_replica_allreduce_follows():
     topo = Topology(2, 2)
     layouts = candidates(topo)
-    for spec, expect in ((OffloadSpec("auto", host=BIG_HOST), lambda ok: [False, True] if ok else [False]),
-                         (OffloadSpec("fixed", host=BIG_HOST, grads="cpu"), lambda ok: [True] if ok else []),
-                         (OffloadSpec("fixed", host=BIG_HOST, grads="gpu"), lambda ok: [False])):
+    for spec, expect in ((OffloadSpec("auto", host=BIG_HOST), lambda ok: [DEVICE, HOST] if ok else [DEVICE]),
+                         (OffloadSpec("fixed", host=BIG_HOST, grads="cpu"), lambda ok: [HOST] if ok else []),
+                         (OffloadSpec("fixed", host=BIG_HOST, grads="gpu"), lambda ok: [DEVICE])):
         for lay in layouts:
             assert spec.grad_choices(lay, 4) == expect(lay.g.size == 4), (spec, lay)
-    assert OffloadSpec("off").grad_choices(layouts[0], 4) == [False]
+    assert OffloadSpec("off").grad_choices(layouts[0], 4) == [DEVICE]
     with pytest.raises(PlanError, match="offload.g"):
         OffloadSpec("auto", host=BIG_HOST, grads="disk")
     # the time after the step: nothing comes down for a unit whose gradient is on the host already
     host = HostSpec(100, update_elems_per_s=1e9, d2h_gbs=10, h2d_gbs=10)
-    assert unit_seconds(1e9, 1, TRAIN, host, grads=True) < unit_seconds(1e9, 1, TRAIN, host)
+    assert unit_seconds(1e9, 1, TRAIN, host, Placement.of(1, g=HOST)) < unit_seconds(1e9, 1, TRAIN, host,
+                                                                                      Placement.of(1))
     # fixed G on the host with layouts that have a replica AllReduce only: none is considered, the error says so
     replicated = [lay for lay in layouts if lay.g.size == 1]
     with pytest.raises(PlanError, match="offload.g"):
@@ -572,9 +574,8 @@ def test_parameters_on_the_host_lower_the_floor_again():
     placements a layout allows; a budget only OS, G and P on the host meet."""
     (layout,) = candidates(TOPO)
     units, k, n = MODEL.unit_params(), len(MODEL.unit_params()), MODEL.num_layers
-    with_g = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, offload_units=k, offload_grads=True)
-    with_gp = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, offload_units=k, offload_grads=True,
-                     offload_params=True)
+    with_g = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, placement=Placement.of(k, g=HOST))
+    with_gp = memory(MODEL, TRAIN, MemorySpec(1000), TOPO, layout, n, placement=Placement.of(k, g=HOST, p=HOST))
     p_gib = TRAIN.param_bytes * sum(units) / 2**30
     assert with_g.terms["params"] - with_gp.terms["params"] == pytest.approx(p_gib)
     assert with_gp.terms["gathered"] > 0 == with_g.terms["gathered"]  # the layers in use are gathered (uploaded)
@@ -583,7 +584,7 @@ def test_parameters_on_the_host_lower_the_floor_again():
     with pytest.raises(NoFeasiblePlan):
         solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=auto())  # P stays on the GPU unless asked
     sol = solve(MODEL, TOPO, TRAIN, MemorySpec(budget), TABLE, offload=OffloadSpec("auto", host=BIG_HOST, params="auto"))
-    assert sol.plan.offload_params and sol.plan.offload_grads and sol.best.memory.total_gb <= budget
+    assert sol.plan.placement.offloads("p") and sol.plan.placement.offloads("g") and sol.best.memory.total_gb <= budget
     assert "OS, G and P" in describe(sol.best) and Plan.from_json(sol.plan.to_json()) == sol.plan
     # lins.offload "auto"'s ladder (the one policy): GPU-resident, then P on the GPU, then P free to go to the host
     rungs = ladder("auto", lambda: BIG_HOST)
@@ -593,18 +594,49 @@ def test_parameters_on_the_host_lower_the_floor_again():
         return lambda spec: (solve(MODEL, TOPO, TRAIN, MemorySpec(capacity), TABLE, offload=spec), True)
 
     needs_p = walk(rungs, attempt(budget), (NoFeasiblePlan,))
-    assert needs_p.plan.offload_params and needs_p.best.memory.total_gb <= budget  # only the third rung fits
+    assert needs_p.plan.placement.offloads("p") and needs_p.best.memory.total_gb <= budget  # only the third rung fits
     # where a plan fits with P on the GPU, the ladder keeps it there, whatever the time model says of the other
     fits = walk(rungs, attempt(with_g.total_gb + 0.5), (NoFeasiblePlan,))
-    assert fits.plan.offload_units and not fits.plan.offload_params
-    assert not any(e.offload_params for e in fits.fitting)
+    assert fits.plan.placement.n_units and not fits.plan.placement.offloads("p")
+    assert not any(e.placement.offloads("p") for e in fits.fitting)
     assert [r.kind for r in rungs_from(rungs, OffloadSpec("auto", host=BIG_HOST, params="gpu"))] == \
         [("auto", "gpu"), ("auto", "auto")]  # a re-size starts where the last plan stood
     topo = Topology(2, 2)
     spec = OffloadSpec("fixed", host=BIG_HOST, grads="cpu", params="cpu")
     for lay in candidates(topo):
         ok = lay.g.size == 4 and lay.p.size == lay.os.size
-        assert spec.placements(lay, 4) == ([(True, True)] if ok else []), lay
+        assert spec.placements(lay, 4) == ([Placement.of(1, g=HOST, p=HOST)] if ok else []), lay
+
+
+def test_the_placement_is_one_checked_value_and_old_plans_still_load():
+    """Where each state lives is one typed value (issue 62, item 5): its rules are checked where it is made, its JSON
+    round-trips, a plan written before it (the three loose keys) loads as the same placement, a plan with both forms
+    that disagree is refused, and a GPU-resident plan's JSON (so its digest) is what it was before the type."""
+    both = Placement.of(3, g=HOST, p=HOST)
+    assert (both.n_units, both.os, both.g, both.p) == (3, HOST, HOST, HOST) and both.states() == ["os", "g", "p"]
+    assert both.with_units(0) == Placement() and both.with_units(5).units_of("g") == 5 and both.first(10) == 7
+    assert Placement.of(0, g=HOST) == Placement() and not Placement().states() and Placement.of(2).units_of("g") == 0
+    for bad in (dict(n_units=2), dict(os=HOST), dict(g=HOST), dict(n_units=2, os=HOST, g="disk"),
+                dict(n_units=-1), dict(n_units=2, os="disk")):
+        with pytest.raises(PlanError, match="placement"):
+            Placement(**bad)
+    assert Placement.from_json(both.to_json()) == both
+    assert Placement.from_legacy(both.legacy_json()) == both
+    (layout,) = candidates(TOPO)
+    plan = Plan(TOPO, layout, num_layers=MODEL.num_layers, placement=Placement.of(2, g=HOST))
+    obj = plan.to_json()
+    assert (obj["offload_units"], obj["offload_grads"], obj["offload_params"]) == (2, True, False)
+    assert Plan.from_json(obj) == plan
+    old = {k: v for k, v in obj.items() if k != "placement"}  # as written before the type
+    assert Plan.from_json(old) == plan and Plan.from_json({**old, "offload_grads": False}).placement == Placement.of(2)
+    with pytest.raises(PlanError, match="disagree"):
+        Plan.from_json({**obj, "offload_units": 3})
+    resident = Plan(TOPO, layout, num_layers=MODEL.num_layers)
+    assert "placement" not in resident.to_json() and resident.to_json()["offload_units"] == 0
+    from lins_ds.runtime.step.offload import TIERS as STORAGE
+    from lins_ds.plan.offload import TIERS
+
+    assert set(STORAGE) == set(TIERS) - {DEVICE}  # every tier a plan may name has its storage in the runtime
 
 
 def test_a_torch_adam_left_open_steps_device_masters_with_the_fused_kernel():

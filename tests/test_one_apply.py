@@ -11,6 +11,7 @@ import torch
 import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine)
 from helpers import GAS, GPUS_PER_NODE, batch, config, param_groups, run, tiny_llama
 from lins_ds.plan import Factor, Layout
+from lins_ds.plan.offload import HOST, Placement
 from lins_ds.runtime.runtime import runs_differently
 
 pytest.importorskip("transformers")
@@ -46,10 +47,11 @@ def _fixed(plan) -> dict:
     """The lins block of a fresh start on ``plan``: its layout, checkpointing and offload fixed in the config."""
     lins = {"plan": {s: [f.intra, f.inter] for s, f in plan.layout.factors().items()},
             "activation_checkpointing": plan.activation_checkpointing_units}
-    if plan.offload_units:
+    place = plan.placement
+    if place.n_units:
         units = 1 + plan.num_layers  # the root unit and the layers
-        lins["offload"] = {"os": "cpu", "os_fraction": plan.offload_units / units,
-                           "g": "cpu" if plan.offload_grads else "gpu", "p": "cpu" if plan.offload_params else "gpu"}
+        lins["offload"] = {"os": "cpu", "os_fraction": place.n_units / units,
+                           "g": "cpu" if place.offloads("g") else "gpu", "p": "cpu" if place.offloads("p") else "gpu"}
     return lins
 
 
@@ -81,7 +83,7 @@ def _switched(path: str, tmp: str) -> dict:
         engine.save_checkpoint(tmp, tag="switch")
         sharded = Factor(2, 1) if world == 2 else Factor(2, 2)
         target = dataclasses.replace(engine.lins.plan, layout=Layout(Factor(1, 1), sharded, sharded),
-                                     activation_checkpointing_units=1, offload_units=2, offload_grads=True)
+                                     activation_checkpointing_units=1, placement=Placement.of(2, g=HOST))
         engine.relayout(target)
         first, moved = 1, True
     if path == "re-size":

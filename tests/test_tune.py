@@ -14,6 +14,7 @@ from helpers import GAS, GPUS_PER_NODE, SEQ, WORLD, batch, config, param_groups,
 from lins_ds.plan import Factor, Layout, Topology, candidates, get_cluster
 from lins_ds.plan import cost
 from lins_ds.plan import tune as choose
+from lins_ds.plan.offload import HOST, Placement
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,9 +82,9 @@ def relayout_pairs(tmp: str):
     engine = _engine({"plan": {"p": [1, 1], "g": [1, 1], "os": [1, 1]}, "host_optimizer": "torch"})
     base = engine.lins.plan
     plans = {"A": base, "B": dataclasses.replace(base, layout=OS_SHARDED),
-             "C": dataclasses.replace(base, layout=ALL_SHARDED, offload_units=2, offload_grads=True),
-             "D": dataclasses.replace(base, offload_units=2),  # A's layout: only two units' OS move (to the host)
-             "E": dataclasses.replace(base, layout=ALL_SHARDED, offload_units=2)}
+             "C": dataclasses.replace(base, layout=ALL_SHARDED, placement=Placement.of(2, g=HOST)),
+             "D": dataclasses.replace(base, placement=Placement.of(2)),  # A's layout: only two units' OS move
+             "E": dataclasses.replace(base, layout=ALL_SHARDED, placement=Placement.of(2))}
     losses = _steps(engine, 0, 2)
     checks = []
     before = _full_state(engine, f"{tmp}/0")
@@ -93,9 +94,9 @@ def relayout_pairs(tmp: str):
         rep = engine.relayout(plans[name])
         after = _full_state(engine, f"{tmp}/{i + 1}")
         exact = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-        grads_ok = (engine.lins.host.grads is not None) == plans[name].offload_grads
+        grads_ok = (engine.lins.host.grads is not None) == plans[name].placement.offloads("g")
         checks.append((name, exact, engine.lins.layout == plans[name].layout,
-                       len(engine.lins.host_units) == plans[name].offload_units and grads_ok, rep.seconds >= 0))
+                       len(engine.lins.host_units) == plans[name].placement.n_units and grads_ok, rep.seconds >= 0))
         before = after
     losses += _steps(engine, 2, 2)
     engine.destroy()
@@ -129,7 +130,7 @@ def failed_moves(tmp: str):
             return real_unit(*args, **kwargs)
         opt_module._moved, rt_module.build_unit = moved, unit
     out = []
-    for target in (dataclasses.replace(base, offload_units=3), dataclasses.replace(base, layout=ALL_SHARDED)):
+    for target in (dataclasses.replace(base, placement=Placement.of(3)), dataclasses.replace(base, layout=ALL_SHARDED)):
         before = _full_state(engine, f"{tmp}/{len(out)}a")
         try:
             engine.relayout(target)
@@ -321,8 +322,8 @@ def _eval(layout, k=0, o=0, objective=1.0, fits=True, layers=8, units=9):
 
     from lins_ds.plan.solver import Evaluation
 
-    return Evaluation(layout, k, Mem(), (), 0.0, 10.0, exposed_s=objective, num_layers=layers, offload_units=o,
-                      num_units=units)
+    return Evaluation(layout, k, Mem(), (), 0.0, 10.0, exposed_s=objective, num_layers=layers,
+                      placement=Placement.of(o), num_units=units)
 
 
 def test_layout_kinds_in_zero_words():
@@ -353,7 +354,7 @@ def test_neighbours_vary_the_checkpointing_depth_and_the_offload_and_never_offer
     def evaluate(k, o):  # fits from 2 checkpointed units with one offloaded, from 0 with two
         return _eval(REPLICATED, k, o, fits=(k >= 2 and o >= 1) or o >= 2, layers=16)
 
-    got = [(e.ckpt_units, e.offload_units, why) for e, why in choose.neighbours(best, evaluate, list(range(17)),
+    got = [(e.ckpt_units, e.placement.n_units, why) for e, why in choose.neighbours(best, evaluate, list(range(17)),
                                                                                   [0, 1, 2, 3])]
     # depths 4, 0, 16, 6 (a step of 16/8 = 2 each way, and every layer), each with its fewest offload; offloads 2
     # and 3 (and 0, which nothing makes fit), each with its fewest checkpointing

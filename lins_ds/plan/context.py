@@ -10,9 +10,9 @@ from typing import Optional
 
 from .clusters import get_cluster
 from .memory import ActivationProfile
-from .offload import OffloadSpec
+from .offload import RESIDENT, OffloadSpec, Placement
 from .profile_table import ProfileTable
-from .solver import ComputeSpec, Evaluation, best_placement, evaluate, fewest_offloaded_placed, solve
+from .solver import ComputeSpec, Evaluation, evaluate, fewest_offloaded_placed, solve
 from .spec import MemorySpec, TrainingSpec
 from .topology import PlanError, Topology
 
@@ -73,21 +73,22 @@ class SolveContext:
                      objective=self.objective, activations=self.activations, offload=self.offload)
 
     def placements(self, layout) -> list:
-        """(G on the host, P on the host) pairs this offload allows under ``layout`` (a fixed one it cannot carry:
-        an error naming the key)."""
+        """The placements this offload allows under ``layout``, each of one unit (``Placement.with_units``; a fixed
+        one it cannot carry: an error naming the key)."""
         check_placement(self.offload, layout, self.topo)
         return self.offload.placements(layout, self.topo.world_size)
 
-    def evaluate(self, layout, ckpt_units: int, offload_units: int = 0, place: Optional[tuple] = None):
-        """The plan of ``layout`` with ``ckpt_units`` checkpointed and ``offload_units`` offloaded, their gradients and
-        parameters on the host or not (``place``; None: where the offload allows and the solver prefers)."""
-        choices = [place] if place is not None else self.placements(layout) if offload_units else [(False, False)]
-        return best_placement([evaluate(self.topo, layout, ckpt_units, self.model, self.train, self.mem, self.table,
-                                        self.compute, self.objective, self.activations, offload_units=offload_units,
-                                        offload=self.offload, offload_grads=g, offload_params=p) for g, p in choices])
+    def allows(self, layout, placement: Placement) -> bool:
+        """Whether this offload may put ``placement``'s units where it says under ``layout``."""
+        return not placement.n_units or placement.with_units(1) in self.placements(layout)
+
+    def evaluate(self, layout, ckpt_units: int, placement: Placement = RESIDENT) -> Evaluation:
+        """The plan of ``layout`` with ``ckpt_units`` checkpointed and its units' states where ``placement`` says."""
+        return evaluate(self.topo, layout, ckpt_units, self.model, self.train, self.mem, self.table, self.compute,
+                        self.objective, self.activations, placement=placement, offload=self.offload)
 
     def fewest_offloaded(self, layout, ckpt_units: int) -> Evaluation:
         """The fastest of the fewest offloaded units that fit, per placement of their gradients and parameters."""
-        e, _ = fewest_offloaded_placed(lambda o, place: self.evaluate(layout, ckpt_units, o, place),
+        e, _ = fewest_offloaded_placed(lambda placement: self.evaluate(layout, ckpt_units, placement),
                                        self.offload.choices(len(self.model.unit_params())), self.placements(layout))
         return e

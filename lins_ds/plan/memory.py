@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .model import ModelSpec
-from .offload import host_gb
+from .offload import RESIDENT, Placement, host_gb
 from .spec import GIB, MemorySpec, TrainingSpec
 from .topology import Layout, Topology
 
@@ -210,19 +210,18 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
 
 def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topology, layout: Layout,
            ckpt_units: int, activations: Optional[ActivationProfile] = None,
-           offload_units: int = 0, offload_grads: bool = False, offload_params: bool = False) -> "MemoryBreakdown":
-    """``offload_units``: the last k units keep their OS on the host (``lins_ds.plan.offload``): the GPU holds
-    none of their optimizer state and runs none of their update; with ``offload_grads`` none of their G either, with
-    ``offload_params`` none of their P but while gathered for use."""
+           placement: Placement = RESIDENT) -> "MemoryBreakdown":
+    """``placement``: the last k units keep their OS off the device (``lins_ds.plan.offload``): the GPU holds none of
+    their optimizer state and runs none of their update; with their G off it none of their G either, with their P
+    off it none of their P but while gathered for use."""
     phi = model.total_params()
     units = model.unit_params()
-    resident = units[:len(units) - offload_units]
+    resident = units[:len(units) - placement.units_of("os")]
     on_gpu = sum(resident)
     pb, gb = train.param_bytes, train.grad_bytes
     s_p, s_g, s_os = layout.sharding()
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch, train.seq_len)
-    host_g = offload_units if offload_grads else 0
-    host_p = offload_units if offload_params else 0
+    host_g, host_p = placement.units_of("g"), placement.units_of("p")
     phases = backward_phases(model, train, topo, layout, ckpt_units, acts, host_g, host_p)
     worst = max(phases, key=lambda p: sum(phases[p].values()))
     step_grad = 4 if gb != 4 else 0  # the optimizer reads fp32 gradients
@@ -243,7 +242,7 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     terms["margin"] = mem.fragmentation * peak
     phase = "optimizer step" if stepping else f"backward ({worst})"
     return MemoryBreakdown(terms, peak, acts.source, phase,
-                           host_gb(units, offload_units, s_os, train, offload_grads, offload_params))
+                           host_gb(units, placement, s_os, train))
 
 
 @dataclass(frozen=True)

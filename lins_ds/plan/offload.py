@@ -1,12 +1,12 @@
-"""Offload as a plan dimension (docs/design.md §13): which units keep their optimizer state (OS), and their
-gradients (G), in host memory, what that costs in host memory and in time, and what of it is hidden.
+"""Offload as a plan dimension (docs/design.md §13): which units keep their optimizer state (OS), their gradients (G)
+and their parameters (P) off the device, what that costs in host memory and in time, and what of it is hidden.
 
-The placement is one number and one switch. ``k``: the last k units in forward order (the root, which runs first,
-only when k covers every unit) keep their fp32 master and moments on the host; the host optimizer updates them unit
-by unit in forward order, and each unit's updated parameters return just in time for its next forward — so the
-last units' host work hides behind the first units' forward. ``grads``: the same units' G accumulators live on the
-host too; each micro-batch's gradient of such a unit leaves the GPU as soon as its backward (and its reduction) is
-done, and the host adds it up while the rest of the backward runs. Only where no replica AllReduce follows the
+Where each state lives is one typed value, ``Placement``: ``n_units`` = k, the last k units in forward order (the root,
+which runs first, only when k covers every unit), and a tier per state (``TIERS``: the device, the host). Their OS
+leaves the device: the host optimizer updates them unit by unit in forward order, and each unit's updated parameters
+return just in time for its next forward — so the last units' host work hides behind the first units' forward. Their
+G may leave too; each micro-batch's gradient of such a unit leaves the GPU as soon as its backward (and its reduction)
+is done, and the host adds it up while the rest of the backward runs. Only where no replica AllReduce follows the
 reduction (s_g = the world: ``grads_may_leave``). Without it, an offloaded unit's gradient goes down at the step.
 A unit offloaded costs, per element of this rank's OS chunk: the host update and the parameter up, and the
 gradient down at the step (G on the GPU) or, during backward, each micro-batch's gradient down and its host sum.
@@ -25,6 +25,114 @@ MODES = ("off", "auto", "fixed")
 GRAD_PLACES = ("auto", "cpu", "gpu")  # the offloaded units' G (or P): the solver's choice, always the host, never
 PARAM_PLACES = GRAD_PLACES
 HOST_STATE_BYTES = 4 + 8  # fp32 master and Adam's two fp32 moments, always on the host for an offloaded unit
+
+TIERS = ("device", "host")  # where a state may live, the device first; a further tier (NVMe, another card): a name here
+DEVICE, HOST = TIERS
+PLACED = ("os", "g", "p")  # the states a placement places, in the order they leave the device
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each state of a plan's units lives: the last ``n_units`` units in forward order (root first) keep their
+    optimizer state (``os``: fp32 master and moments) on a tier other than the device, and their gradients (``g``) and
+    parameters (``p``) on the device or on the same tier; every other unit keeps all three on the device. One value,
+    checked once here, so that the solver prices, the plan carries and the runtime places exactly the same thing; a
+    further tier is a name in ``TIERS``, never another field threaded through every reader."""
+
+    n_units: int = 0
+    os: str = DEVICE
+    g: str = DEVICE
+    p: str = DEVICE
+
+    def __post_init__(self) -> None:
+        for state in PLACED:
+            if self.tier(state) not in TIERS:
+                raise PlanError(f"placement.{state}: {self.tier(state)!r} is not one of {TIERS}")
+        if not isinstance(self.n_units, int) or isinstance(self.n_units, bool) or self.n_units < 0:
+            raise PlanError(f"placement.n_units: {self.n_units!r} is not a count of units")
+        if self.n_units == 0 and self.states():
+            raise PlanError(f"placement: {self.placed()} off the device for no unit; a state leaves the device only "
+                            "for the offloaded units (n_units > 0)")
+        if self.n_units > 0 and self.os == DEVICE:
+            raise PlanError(f"placement: {self.n_units} unit(s) offloaded with their optimizer state on the device; "
+                            "OS is the first state to leave it")
+        for state in ("g", "p"):
+            if self.tier(state) not in (DEVICE, self.os):
+                raise PlanError(f"placement.{state}: {self.tier(state)!r} with the optimizer state on {self.os!r}; "
+                                f"{state.upper()} leaves the device only for OS's tier (the host optimizer reads G "
+                                "and writes P where the master is)")
+
+    @classmethod
+    def of(cls, units: int, os: str = HOST, g: str = DEVICE, p: str = DEVICE) -> "Placement":
+        """The last ``units`` units' states on these tiers; none offloaded: every state on the device, whatever the
+        tiers say (what the solver's choice of zero units means)."""
+        return cls(units, os, g, p) if units > 0 else cls()
+
+    def with_units(self, units: int) -> "Placement":
+        """The same tiers for another count of units (the solver's search over how many)."""
+        return Placement.of(units, self.os, self.g, self.p) if units > 0 else Placement()
+
+    def tier(self, state: str) -> str:
+        """The tier of ``state`` ("os", "g" or "p") for the offloaded units."""
+        return getattr(self, state)
+
+    def offloads(self, state: str) -> bool:
+        """Whether the offloaded units keep ``state`` off the device."""
+        return self.tier(state) != DEVICE
+
+    def units_of(self, state: str) -> int:
+        """How many units keep ``state`` off the device."""
+        return self.n_units if self.offloads(state) else 0
+
+    def states(self) -> list:
+        """The states the offloaded units keep off the device, OS first."""
+        return [state for state in PLACED if self.offloads(state)]
+
+    @property
+    def on_host(self) -> bool:
+        """Whether some state lives in host memory (the host's speeds and capacity then matter)."""
+        return HOST in (self.os, self.g, self.p)
+
+    def first(self, total: int) -> int:
+        """Index of the first offloaded unit of ``total`` units (forward order, root first)."""
+        return total - min(self.n_units, total)
+
+    def order(self) -> tuple:
+        """The tiers as a sort key (the device first): ties between plans go to the one that moves less."""
+        return tuple(TIERS.index(self.tier(state)) for state in PLACED)
+
+    def placed(self) -> str:
+        """What of the offloaded units is off the device: "OS", "OS and G", "OS and P", "OS, G and P"."""
+        names = [state.upper() for state in self.states()]
+        return " and ".join(names) if len(names) < 3 else f"{names[0]}, {names[1]} and {names[2]}"
+
+    def where(self) -> str:
+        """Where the offloaded states are, in words (G and P are only ever on OS's tier): "on the host"."""
+        return f"on the {self.os}"
+
+    def to_json(self) -> dict:
+        return {"units": self.n_units, **{state: self.tier(state) for state in PLACED}}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Placement":
+        return cls(int(obj.get("units", 0)), *(str(obj.get(state, DEVICE)) for state in PLACED))
+
+    def legacy_json(self) -> dict:
+        """The keys a plan wrote before this type (``offload_units``, ``offload_grads``, ``offload_params``), which
+        tools, caches and tune decision files read: exact for the host tier, the count and which states leave for
+        another."""
+        return {"offload_units": self.n_units, "offload_grads": self.offloads("g"),
+                "offload_params": self.offloads("p")}
+
+    @classmethod
+    def from_legacy(cls, obj: dict) -> "Placement":
+        """A placement from those keys (a plan written before this type, or a tool's); the host was the one tier."""
+        def tier(key: str) -> str:
+            return HOST if obj.get(key, False) else DEVICE
+        return cls.of(int(obj.get("offload_units", 0)), HOST, tier("offload_grads"), tier("offload_params"))
+
+
+RESIDENT = Placement()  # every state of every unit on the device
 
 
 @dataclass(frozen=True)
@@ -46,9 +154,9 @@ class HostSpec:
         return dict(self.__dict__)
 
 
-def host_optimizer_of(host: Optional[HostSpec], offload_units: int) -> str:
+def host_optimizer_of(host: Optional[HostSpec], placement: Placement) -> str:
     """The host optimizer a plan runs (``Plan.host_optimizer``): the measured host's where the plan offloads."""
-    return host.kind if host is not None and offload_units > 0 else "torch"
+    return host.kind if host is not None and placement.offloads("os") else "torch"
 
 
 @dataclass(frozen=True)
@@ -84,8 +192,8 @@ class OffloadSpec:
 
 
     def grad_choices(self, layout: Layout, world: int) -> list:
-        """Whether the offloaded units' G may be on the host under ``layout``: [False], [True] or both (the solver
-        prices both). [] when this offload requires it and the layout does not allow it."""
+        """The tiers the offloaded units' G may take under ``layout``: [DEVICE], [HOST] or both (the solver prices
+        both). [] when this offload requires the host and the layout does not allow it."""
         return _choices("off" if self.mode == "off" else self.grads, grads_may_leave(layout, world))
 
     def param_choices(self, layout: Layout) -> list:
@@ -93,9 +201,13 @@ class OffloadSpec:
         return _choices("off" if self.mode == "off" else self.params, params_may_leave(layout))
 
     def placements(self, layout: Layout, world: int) -> list:
-        """(G on the host, P on the host) pairs the solver prices for ``layout``; [] when a placement this offload
-        requires is not allowed."""
-        return [(g, p) for g in self.grad_choices(layout, world) for p in self.param_choices(layout)]
+        """The placements the solver prices for ``layout``, each of one unit (``Placement.with_units`` gives the same
+        tiers for any count), the least offloaded first; [RESIDENT] where nothing is offloaded, [] when a placement this
+        offload requires is not allowed."""
+        if self.mode == "off":
+            return [RESIDENT]
+        return [Placement.of(1, HOST, g, p)
+                for g in self.grad_choices(layout, world) for p in self.param_choices(layout)]
 
 
 # --- the one offload policy (docs/design.md §13): an ordered ladder of typed specs and one driver that walks it ---
@@ -166,17 +278,31 @@ def walk(rungs: list, attempt: Callable, no_fit: tuple):
 
 
 def _choices(want: str, allowed: bool) -> list:
+    """The tiers a state of the offloaded units may take: ``want`` is lins.offload's word for it ("gpu", "cpu",
+    "auto"; "off": nothing offloaded), ``allowed`` whether the layout lets it leave the device."""
     if want in ("off", "gpu"):
-        return [False]
+        return [DEVICE]
     if want == "cpu":
-        return [True] if allowed else []
-    return [False, True] if allowed else [False]
+        return [HOST] if allowed else []
+    return [DEVICE, HOST] if allowed else [DEVICE]
 
 
 def params_may_leave(layout: Layout) -> bool:
     """A unit's P may live on the host (uploaded, and gathered where s_p > 1, before each use) only where no P-sync
     follows the update (s_p = s_os): the host optimizer then writes the P chunk itself."""
     return layout.p.size == layout.os.size
+
+
+def refusal(placement: Placement, layout: Layout, world: int) -> str:
+    """Why ``layout`` on ``world`` ranks cannot carry ``placement`` (what the runtime checks before it places a
+    unit), or ''."""
+    if placement.offloads("g") and not grads_may_leave(layout, world):
+        return (f"plan keeps gradients {placement.where()}, which {layout} on {world} ranks does not allow (a replica "
+                "AllReduce follows its ReduceScatter)")
+    if placement.offloads("p") and not params_may_leave(layout):
+        return (f"plan keeps parameters {placement.where()}, which {layout} does not allow (s_p != s_os: a P-sync "
+                "follows the update)")
+    return ""
 
 
 def grads_may_leave(layout: Layout, world: int) -> bool:
@@ -203,23 +329,22 @@ def grad_down_buffer(train: TrainingSpec) -> bool:
                                                                                          or train.param_dtype)
 
 
-def host_gb(units: list, k: int, s_os: int, train: TrainingSpec, grads: bool = False, params: bool = False) -> float:
+def host_gb(units: list, placement: Placement, s_os: int, train: TrainingSpec) -> float:
     """Host memory of the offloaded units' OS chunks on this rank: master, moments, the pinned gradient (the copy
-    that comes down at the step, or the G accumulator itself with ``grads``, and then a micro-batch's gradient
+    that comes down at the step, or the G accumulator itself with G on the host, and then a micro-batch's gradient
     too where ``grad_down_buffer``) and the pinned parameter copy that goes up (none for fp32 parameters: the
-    master goes up), or with ``params`` the P chunk itself (s_p = s_os)."""
-    up = train.param_bytes if train.param_dtype != "fp32" or params else 0
-    down = train.reduce_bytes if grads and grad_down_buffer(train) else 0
-    return sum(offloaded(units, k)) / s_os * (HOST_STATE_BYTES + train.grad_bytes + up + down) / GIB
+    master goes up), or with P on the host the P chunk itself (s_p = s_os)."""
+    up = train.param_bytes if train.param_dtype != "fp32" or placement.offloads("p") else 0
+    down = train.reduce_bytes if placement.offloads("g") and grad_down_buffer(train) else 0
+    return sum(offloaded(units, placement.n_units)) / s_os * (HOST_STATE_BYTES + train.grad_bytes + up + down) / GIB
 
 
-def unit_seconds(n: float, s_os: int, train: TrainingSpec, host: HostSpec, grads: bool = False,
-                 params: bool = False) -> float:
-    """One offloaded unit of ``n`` parameters after the step: its gradient down (not with ``grads``: it is on
-    the host already), its host update and its parameters up (not with ``params``: they stay there)."""
+def unit_seconds(n: float, s_os: int, train: TrainingSpec, host: HostSpec, placement: Placement) -> float:
+    """One offloaded unit of ``n`` parameters after the step: its gradient down (not with G on the host: it is
+    there already), its host update and its parameters up (not with P on the host: they stay there)."""
     per = n / s_os
-    down = 0.0 if grads else per * train.grad_bytes / host.d2h_gbs / 1e9
-    up = 0.0 if params else per * train.param_bytes / host.h2d_gbs / 1e9
+    down = 0.0 if placement.offloads("g") else per * train.grad_bytes / host.d2h_gbs / 1e9
+    up = 0.0 if placement.offloads("p") else per * train.param_bytes / host.h2d_gbs / 1e9
     return per / host.update_elems_per_s + down + up
 
 
@@ -239,21 +364,23 @@ def backward_host_seconds(units: list, k: int, layout: Layout, train: TrainingSp
     return per * (sums / host.accumulate_elems_per_s + 1 / host.norm_elems_per_s)
 
 
-def exposed_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec,
-                    forward_s: float, grads: bool = False, behind_s: float = 0.0, params: bool = False) -> float:
+def exposed_seconds(units: list, placement: Placement, layout: Layout, train: TrainingSpec, host: HostSpec,
+                    forward_s: float, behind_s: float = 0.0) -> float:
     """What a step waits for the host: the offloaded units' transfers and updates, one after another in forward
     order, less what the next forward hides (``hides_behind_forward``): the first units run their forward
-    meanwhile, and an offloaded unit's forward waits only for its own update. With ``grads``, the host's work on
+    meanwhile, and an offloaded unit's forward waits only for its own update. With G on the host, the host's work on
     the gradients (``backward_host_seconds``) where it outlasts the GPU work it runs beside (``behind_s``: the
-    window's compute from the first gradient on). With ``params``, the uploads (``upload_seconds``) where they outlast
-    the window's compute."""
+    window's compute from the first gradient on). With P on the host, the uploads (``upload_seconds``) where they
+    outlast the window's compute."""
+    k = placement.n_units
     off = offloaded(units, k)
     if not off:
         return 0.0
     s_os = layout.os.size
-    times = [unit_seconds(n, s_os, train, host, grads, params) for n in off]
-    behind = max(0.0, backward_host_seconds(units, k, layout, train, host) - behind_s) if grads else 0.0
-    if params:
+    times = [unit_seconds(n, s_os, train, host, placement) for n in off]
+    behind = (max(0.0, backward_host_seconds(units, k, layout, train, host) - behind_s) if placement.offloads("g")
+              else 0.0)
+    if placement.offloads("p"):
         behind += max(0.0, upload_seconds(units, k, layout, train, host) - behind_s)
     if not hides_behind_forward(layout):
         return sum(times) + behind

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .cost import per_state
 from .memory import TERMS
-from .solver import Evaluation, Solution, placed
+from .solver import Evaluation, Solution
 from .topology import STATES
 
 STATE_NAMES = {"p": "P (parameters)", "g": "G (gradients)", "os": "OS (optimizer)", "scalar": "scalars"}
@@ -43,7 +43,8 @@ def explain_loss(winner: Evaluation, other: Evaluation) -> str:
 
 
 def describe(e: Evaluation) -> str:
-    off = f", {placed(e)} of {e.offload_units} of {e.num_units} units on the host" if e.offload_units else ""
+    p = e.placement
+    off = f", {p.placed()} of {p.n_units} of {e.num_units} units {p.where()}" if p.n_units else ""
     return f"{e.layout}{f', {e.ckpt_units} of {e.num_layers} layer units checkpointed' if e.checkpointing else ''}{off}"
 
 
@@ -64,8 +65,7 @@ def to_json(sol: Solution) -> dict:
         "predicted_recompute_s_per_step": best.recompute_s,
         "predicted_optimizer_s_per_step": best.optimizer_s,
         "predicted_exposed_comm_s_per_step": best.exposed_s,
-        "offload_units": best.offload_units, "offload_grads": best.offload_grads,
-        "offload_params": best.offload_params, "num_units": best.num_units,
+        **best.placement.legacy_json(), "placement": best.placement.to_json(), "num_units": best.num_units,
         "host_memory_gb": round(best.memory.host_gb, 4),
         "predicted_offload_s_per_step": best.offload_s,
         "objective": best.objective, "objective_s_per_step": best.objective_s,
@@ -76,10 +76,11 @@ def to_json(sol: Solution) -> dict:
         "solve_time_s": sol.elapsed_s,
         "runner_up": None if sol.runner_up is None else {
             "plan": sol.runner_up.layout.to_json(), "activation_checkpointing": sol.runner_up.checkpointing,
-            "activation_checkpointing_units": sol.runner_up.ckpt_units, "offload_units": sol.runner_up.offload_units,
+            "activation_checkpointing_units": sol.runner_up.ckpt_units,
+            "offload_units": sol.runner_up.placement.n_units,
             "predicted_comm_s_per_step": sol.runner_up.comm_s, "why_lost": explain_loss(best, sol.runner_up)},
         "fastest_infeasible": None if sol.fastest_infeasible is None else {
-            "plan": sol.fastest_infeasible.layout.to_json(), "offload_units": sol.fastest_infeasible.offload_units,
+            "plan": sol.fastest_infeasible.layout.to_json(), "offload_units": sol.fastest_infeasible.placement.n_units,
             "memory_gb_per_gpu": round(sol.fastest_infeasible.memory.total_gb, 4)},
         "profile": sol.plan.profile_source,
         "plan_record": sol.plan.to_json(),
@@ -89,17 +90,17 @@ def to_json(sol: Solution) -> dict:
 
 def to_table(sol: Solution) -> str:
     best, plan = sol.best, sol.plan
-    topo = plan.topology
+    topo, off = plan.topology, best.placement
     lines = [
         f"Lins plan for {plan.model} on {topo.nodes} node(s) x {topo.gpus_per_node} GPU(s) "
         f"(profile: {plan.profile_source})",
         f"  activation checkpointing: {best.ckpt_units} of {best.num_layers} layer units"
         + (f" (recompute {_ms(best.recompute_s).strip()} per step)" if best.checkpointing else ""),
-        f"  optimizer state on the host: {best.offload_units} of {best.num_units} units"
-        + (f" (the last ones{', their gradients too' if best.offload_grads else ''}"
-           f"{', their parameters too' if best.offload_params else ''}; "
+        f"  optimizer state {off.where() if off.n_units else 'on the host'}: {off.n_units} of {best.num_units} units"
+        + (f" (the last ones{', their gradients too' if off.offloads('g') else ''}"
+           f"{', their parameters too' if off.offloads('p') else ''}; "
            f"{_gib(best.memory.host_gb)} pinned per rank of {_gib(best.host_capacity_gb)}; "
-           f"{_ms(best.offload_s).strip()} per step not hidden by the forward)" if best.offload_units else ""),
+           f"{_ms(best.offload_s).strip()} per step not hidden by the forward)" if off.n_units else ""),
         "",
         f"  {'state':<16}{'mesh intra x inter':>20}{'bytes/GPU':>14}{'predicted/step':>18}",
     ]

@@ -19,7 +19,8 @@ from typing import Optional
 from . import cost
 from .memory import ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
-from .offload import HostSpec, OffloadSpec, exposed_seconds as offload_exposed, host_optimizer_of
+from .offload import (RESIDENT, HostSpec, OffloadSpec, Placement, exposed_seconds as offload_exposed,
+                      host_optimizer_of)
 from .profile_table import ProfileTable
 from .spec import MemorySpec, TrainingSpec
 from .topology import Layout, PlanError, Topology, candidates, check_layout
@@ -59,12 +60,13 @@ class ComputeSpec:
 
 
 def optimizer_seconds(model: ModelSpec, train: TrainingSpec, s_os: int, compute: ComputeSpec,
-                      offload_units: int = 0) -> float:
-    """The element-wise update of this rank's OS chunk on the GPU (of the units not offloaded) is memory-bound:
-    it reads the gradient (fp32), reads and writes master and moments, and writes the parameter."""
+                      os_off_device: int = 0) -> float:
+    """The element-wise update of this rank's OS chunk on the GPU (of the units but the last ``os_off_device``,
+    whose OS is elsewhere) is memory-bound: it reads the gradient (fp32), reads and writes master and moments, and
+    writes the parameter."""
     touched = 4 + 2 * train.optimizer_bytes + (train.param_bytes if train.param_dtype != "fp32" else 0)
     units = model.unit_params()
-    return touched * sum(units[:len(units) - offload_units]) / s_os / (compute.memory_bandwidth_gbs * 1e9)
+    return touched * sum(units[:len(units) - os_off_device]) / s_os / (compute.memory_bandwidth_gbs * 1e9)
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,10 @@ class Evaluation:
     objective: str = "step"
     exposed_s: float = 0.0  # communication left after overlap
     num_layers: int = 0
-    offload_units: int = 0  # the last k units keep their OS on the host
+    placement: Placement = RESIDENT  # the last k units' OS off the device, and their G and P where it says
     offload_s: float = 0.0  # what the step waits for the host (transfers and updates the forward does not hide)
     host_capacity_gb: float = float("inf")
     num_units: int = 0
-    offload_grads: bool = False  # the offloaded units' G accumulators live on the host too
-    offload_params: bool = False  # the offloaded units' P lives on the host too
     host_optimizer: str = "torch"  # what updates the OS chunks on the host: "torch" or "deepspeed" (DeepSpeedCPUAdam)
 
     @property
@@ -111,8 +111,8 @@ class Evaluation:
 
     def sort_key(self) -> tuple:
         s_p, s_g, s_os = self.layout.sharding()
-        return (self.objective_s, self.offload_units, s_os * s_g * s_p, s_p, s_g, s_os, self.layout, self.ckpt_units,
-                self.offload_grads, self.offload_params)
+        return (self.objective_s, self.placement.n_units, s_os * s_g * s_p, s_p, s_g, s_os, self.layout,
+                self.ckpt_units, self.placement.order())
 
 
 @dataclass(frozen=True)
@@ -131,10 +131,8 @@ class Plan:
     predicted_peak_gb: float = 0.0  # the allocator's peak (torch.cuda.max_memory_allocated's quantity)
     memory_profile: str = ""  # where the activation memory came from ("measured:...", "formula", a path)
     num_layers: int = 0
-    offload_units: int = 0  # the last k units (forward order, root first) keep their OS on the host
+    placement: Placement = RESIDENT  # which units (the last k, root first) keep which states off the device
     host_gb: float = 0.0  # host memory the offloaded OS chunks pin on this rank
-    offload_grads: bool = False  # the offloaded units' G accumulators live on the host too
-    offload_params: bool = False  # the offloaded units' P lives on the host too
     host_optimizer: str = "torch"  # what updates the OS chunks on the host: "torch" or "deepspeed" (DeepSpeedCPUAdam)
 
     @property
@@ -149,10 +147,15 @@ class Plan:
             "param_dtype": self.param_dtype, "grad_dtype": self.grad_dtype, "model": self.model,
             "profile_source": self.profile_source, "predicted_comm_s": self.predicted_comm_s,
             "memory_gb": self.memory_gb, "predicted_peak_gb": self.predicted_peak_gb,
-            "memory_profile": self.memory_profile, "offload_units": self.offload_units, "host_gb": self.host_gb,
-            "offload_grads": self.offload_grads, "offload_params": self.offload_params,
-            "host_optimizer": self.host_optimizer,
+            "memory_profile": self.memory_profile, **self.placement.legacy_json(), "host_gb": self.host_gb,
+            "host_optimizer": self.host_optimizer, **self._placement_json(),
         }
+
+    def _placement_json(self) -> dict:
+        """The placement itself, where something is offloaded: the legacy keys above say it for the host tier (and
+        every reader of a plan's JSON reads those), but not which tier. A GPU-resident plan writes none, so its JSON,
+        and its digest, are as before the type."""
+        return {"placement": self.placement.to_json()} if self.placement.n_units else {}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Plan":
@@ -164,12 +167,25 @@ class Plan:
         return cls(topo, layout, units, obj["param_dtype"], obj["grad_dtype"], obj.get("model", ""),
                    obj.get("profile_source", ""), float(obj.get("predicted_comm_s", 0)),
                    float(obj.get("memory_gb", 0)), float(obj.get("predicted_peak_gb", 0)),
-                   obj.get("memory_profile", ""), layers, int(obj.get("offload_units", 0)),
-                   float(obj.get("host_gb", 0.0)), bool(obj.get("offload_grads", False)),
-                   bool(obj.get("offload_params", False)), str(obj.get("host_optimizer", "torch")))
+                   obj.get("memory_profile", ""), layers, _placement_of(obj), float(obj.get("host_gb", 0.0)),
+                   str(obj.get("host_optimizer", "torch")))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _placement_of(obj: dict) -> Placement:
+    """A plan JSON's placement: its "placement" where it has one, else the keys every plan has written
+    (``offload_units``, ``offload_grads``, ``offload_params``: a plan written before the type, or by a tool). Where
+    it has both they must agree: an edit of one alone is refused, not half read."""
+    legacy = Placement.from_legacy(obj)
+    if "placement" not in obj:
+        return legacy
+    placement = Placement.from_json(obj["placement"])
+    if placement.legacy_json() != legacy.legacy_json():
+        raise PlanError(f"plan: its placement {placement.to_json()} and its offload keys "
+                        f"{ {k: obj.get(k) for k in legacy.legacy_json()} } disagree")
+    return placement
 
 
 @dataclass(frozen=True)
@@ -203,8 +219,7 @@ def compute_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec,
 def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, train: TrainingSpec,
              mem: MemorySpec, table: ProfileTable, compute: ComputeSpec, objective: str = "step",
              activations: Optional[ActivationProfile] = None, colls: Optional[tuple] = None,
-             offload_units: int = 0, offload: OffloadSpec = OffloadSpec(), offload_grads: bool = False,
-             offload_params: bool = False) -> Evaluation:
+             placement: Placement = RESIDENT, offload: OffloadSpec = OffloadSpec()) -> Evaluation:
     if colls is None:
         colls = tuple(cost.timed(cost.schedule(topo, layout, cost.model_units(model), train), table))
     fwd, bwd = compute_seconds(model, train, compute, ckpt_units)
@@ -212,16 +227,14 @@ def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, 
     exposed = cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum)
     units = model.unit_params()
     host = offload.host
-    grads, params = offload_grads and offload_units > 0, offload_params and offload_units > 0
-    off_s = (offload_exposed(units, offload_units, layout, train, host, fwd, grads,
-                             train.grad_accum * (fwd + bwd) - fwd, params) if offload_units else 0.0)
-    return Evaluation(layout, ckpt_units,
-                      memory(model, train, mem, topo, layout, ckpt_units, activations, offload_units, grads, params),
+    off_s = (offload_exposed(units, placement, layout, train, host, fwd, train.grad_accum * (fwd + bwd) - fwd)
+             if placement.n_units else 0.0)
+    return Evaluation(layout, ckpt_units, memory(model, train, mem, topo, layout, ckpt_units, activations, placement),
                       colls,
                       recompute, mem.capacity_gb,
-                      optimizer_seconds(model, train, layout.os.size, compute, offload_units), objective,
-                      exposed, model.num_layers, offload_units, off_s,
-                      host.capacity_gb if host is not None else float("inf"), len(units), grads, params)
+                      optimizer_seconds(model, train, layout.os.size, compute, placement.units_of("os")), objective,
+                      exposed, model.num_layers, placement, off_s,
+                      host.capacity_gb if host is not None else float("inf"), len(units))
 
 
 def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
@@ -234,20 +247,15 @@ def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
 
 def _describe_ckpt(e: Evaluation) -> str:
     ck = f" with {e.ckpt_units} of {e.num_layers} layer units checkpointed" if e.checkpointing else ""
-    what = placed(e)
-    off = f"{' and' if ck else ' with'} the {what} of {e.offload_units} of {e.num_units} units on the host" if e.offload_units else ""
+    p = e.placement
+    off = (f"{' and' if ck else ' with'} the {p.placed()} of {p.n_units} of {e.num_units} units {p.where()}"
+           if p.n_units else "")
     return ck + off
 
 
-def placed(e) -> str:
-    """What of the offloaded units is on the host: "OS", "OS and G", "OS and P", "OS, G and P"."""
-    states = ["OS"] + (["G"] if e.offload_grads else []) + (["P"] if e.offload_params else [])
-    return " and ".join(states) if len(states) < 3 else "OS, G and P"
-
-
 def best_placement(evals: list) -> Evaluation:
-    """Of the same plan with its offloaded units' G on the GPU and on the host: the faster of those that fit the
-    GPU, else the smaller."""
+    """Of the same plan under several placements (its offloaded units' G and P on the GPU or off it): the faster of
+    those that fit the GPU, else the smaller."""
     fitting = [e for e in evals if e.fits] or [e for e in evals if e.fits_gpu]
     if fitting:
         return min(fitting, key=Evaluation.sort_key)
@@ -272,14 +280,14 @@ def fewest_offloaded(ev, choices: list) -> tuple:
 
 
 def fewest_offloaded_placed(ev, choices: list, placements: list) -> tuple:
-    """(evaluation, how many evaluated): for each placement of the offloaded units' gradients and parameters
-    (``placements``: (G on the host, P on the host) pairs), the fewest offloaded units that fit
-    (``fewest_offloaded``: within one placement more offload only costs time and only saves memory); then the faster
-    of those that fit. Across placements fewer is not faster: G or P on the host lets fewer units fit, but adds the
-    host's sums during backward, or the uploads before each use."""
+    """(evaluation, how many evaluated): ``ev(placement)`` for each of ``placements`` (``OffloadSpec.placements``:
+    the tiers of the offloaded units' states) with the fewest offloaded units that fit (``fewest_offloaded`` over
+    ``choices``: within one placement more offload only costs time and only saves memory); then the faster of those
+    that fit. Across placements fewer is not faster: G or P on the host lets fewer units fit, but adds the host's
+    sums during backward, or the uploads before each use."""
     found, count = [], 0
-    for g in placements:
-        e, n = fewest_offloaded(lambda o: ev(o, g), choices)
+    for shape in placements:
+        e, n = fewest_offloaded(lambda o: ev(shape.with_units(o)), choices)
         found.append(e)
         count += n
     return best_placement(found), count
@@ -307,8 +315,8 @@ def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec
     updates the offloaded units."""
     return Plan(topo, e.layout, e.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
                 model.name, table.source, e.comm_s, e.memory.total_gb, e.memory.allocated_gb,
-                e.memory.activation_source, model.num_layers, e.offload_units, e.memory.host_gb, e.offload_grads,
-                e.offload_params, host_optimizer_of(host, e.offload_units))
+                e.memory.activation_source, model.num_layers, e.placement, e.memory.host_gb,
+                host_optimizer_of(host, e.placement))
 
 
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,
@@ -332,12 +340,12 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
         if not places:
             continue  # this offload keeps G (or P) on the host, which this layout does not allow
 
-        def ev(o, k, place):
-            return evaluate(topo, lay, k, model, train, mem, table, compute, objective, activations, colls, o,
-                            offload, *place)
+        def ev(k, placement):
+            return evaluate(topo, lay, k, model, train, mem, table, compute, objective, activations, colls, placement,
+                            offload)
 
         for k in choices:  # ascending: the first that fits without more offload than needed is this layout's best
-            e, n = fewest_offloaded_placed(lambda o, place: ev(o, k, place), offload_choices, places)
+            e, n = fewest_offloaded_placed(lambda placement: ev(k, placement), offload_choices, places)
             considered += n
             if k == choices[0] or e.fits:
                 evals.append(e)
@@ -345,7 +353,7 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
                 smallest = e
             if e.fits_gpu and (least_host is None or e.memory.host_gb < least_host.memory.host_gb):
                 least_host = e
-            if e.fits and e.offload_units == offload_choices[0]:
+            if e.fits and e.placement.n_units == offload_choices[0]:
                 break  # more checkpointing only costs more
     if smallest is None:
         g_ok = any(offload.grad_choices(lay, topo.world_size) for lay in layouts)

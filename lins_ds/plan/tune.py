@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .offload import RESIDENT, Placement
 from .solver import Evaluation, compute_seconds, fewest_offloaded
 from .topology import Layout
 
@@ -41,19 +42,18 @@ class Candidate:
     @property
     def label(self) -> str:
         e = self.evaluation
-        return label(e.layout, e.ckpt_units, e.num_layers, e.offload_units, e.num_units, e.offload_grads,
-                     e.offload_params)
+        return label(e.layout, e.ckpt_units, e.num_layers, e.placement, e.num_units)
 
 
-def label(layout: Layout, ckpt: int, layers: int, offload: int, units=None, grads: bool = False,
-          params: bool = False) -> str:
-    """A plan in one line: its layout, checkpointed layer units, units whose OS (and G: "+G", P: "+P") is on the
-    host."""
+def label(layout: Layout, ckpt: int, layers: int, placement: Placement = RESIDENT, units=None) -> str:
+    """A plan in one line: its layout, checkpointed layer units, units whose OS (and G: "+G", P: "+P") is off the
+    device."""
     out = str(layout)
     if ckpt:
         out += f" ckpt {ckpt}/{layers}"
-    if offload:
-        out += f" offload {offload}" + (f"/{units}" if units else "") + (" +G" if grads else "") + (" +P" if params else "")
+    if placement.n_units:
+        out += (f" offload {placement.n_units}" + (f"/{units}" if units else "")
+                + "".join(f" +{state.upper()}" for state in placement.states() if state != "os"))
     return out
 
 
@@ -81,7 +81,8 @@ def neighbours(best: Evaluation, evaluate: Callable[[int, int], Evaluation], dep
             e, _ = fewest_offloaded(lambda o: evaluate(k, o), offload_choices)
             out.append((e, "checkpointing"))
     if len(offload_choices) > 1:
-        i = offload_choices.index(best.offload_units) if best.offload_units in offload_choices else 0
+        now = best.placement.n_units
+        i = offload_choices.index(now) if now in offload_choices else 0
         for j in (i + 1, i - 1, i + 2, i - 2):
             if 0 <= j < len(offload_choices):
                 o = offload_choices[j]
@@ -109,7 +110,7 @@ def candidates(fitting: list, near: list, count: int, world_size: int,
         picked.append((e, why))
     out, keys = [], set()
     for e, why in picked:
-        key = (e.layout, e.ckpt_units, e.offload_units, e.offload_grads, e.offload_params)
+        key = (e.layout, e.ckpt_units, e.placement)
         if key not in keys:
             keys.add(key)
             out.append(Candidate(e, kind(e.layout, world_size), why, step_of(e)))

@@ -26,7 +26,7 @@ import torch
 from .. import comm
 from ..plan import Plan
 from ..plan.layout import is_first_replica
-from ..plan.offload import grads_may_leave, hides_behind_forward, params_may_leave
+from ..plan.offload import hides_behind_forward, refusal
 from ..plan.tune import label
 from .errors import RelayoutError
 from .full_values import FullValues
@@ -50,8 +50,7 @@ class RelayoutReport:
 def runs_differently(a: Plan, b: Plan) -> bool:
     """Whether two plans execute differently (not only in what they predict)."""
     def key(p):
-        return (p.topology, p.layout, p.activation_checkpointing_units, p.offload_units, p.offload_grads,
-                p.offload_params, p.host_optimizer)
+        return p.topology, p.layout, p.activation_checkpointing_units, p.placement, p.host_optimizer
     return key(a) != key(b)
 
 
@@ -114,14 +113,14 @@ class LinsRuntime(FullValues):
             return build_unit(name, mods, params, self._group_of, self.topo, self.layout, self.groups,
                               self._accum_dtype, self._reduce_dtype, mat, device, is_root)
 
-        # the plan's last offload_units units with P on the host go there as each is built: the whole model's P is
-        # never on the device at once (docs/design.md §13)
-        n_units = (1 if root_params else 0) + len(layer_entries)
-        first_host_p = _first_offloaded(plan, n_units) if plan.offload_params else n_units
+        # the plan's offloaded units with P off the device go there as each is built: the whole model's P is never
+        # on the device at once (docs/design.md §13)
+        n_units, place = (1 if root_params else 0) + len(layer_entries), plan.placement
+        first_host_p = place.first(n_units) if place.offloads("p") else n_units
 
         def placed(unit):
             if len(self.units) >= first_host_p:
-                unit.place_params(self.host.params_pool(unit.device))
+                unit.place_params(self.host.params_pool(unit.device, place.p))
             self.units.append(unit)
             return unit
 
@@ -144,22 +143,19 @@ class LinsRuntime(FullValues):
         self.is_checkpoint_writer = is_first_replica(self.topo, self.layout, self.groups.rank)
 
     def _place(self, plan: Plan) -> None:
-        """The plan's last ``offload_units`` units keep their OS on the host (forward order: root first), with
-        ``offload_grads`` their G accumulators too (``HostGrads``), with ``offload_params`` their P chunks
-        (``HostParams``); every other unit's G and P on the device."""
-        self.plan = plan
-        self.host_units = self.units[_first_offloaded(plan, len(self.units)):]
-        grads = self.host_units if plan.offload_grads else []
-        params = self.host_units if plan.offload_params else []
-        if grads and not grads_may_leave(self.layout, self.topo.world_size):
-            raise ValueError(f"lins: plan keeps gradients on the host, which {self.layout} on {self.topo.world_size} "
-                             "ranks does not allow (a replica AllReduce follows its ReduceScatter)")
-        if params and not params_may_leave(self.layout):
-            raise ValueError(f"lins: plan keeps parameters on the host, which {self.layout} does not allow (s_p != "
-                             "s_os: a P-sync follows the update)")
+        """The plan's ``placement``: its last ``n_units`` units (forward order: root first) keep their OS in the tier it
+        names, and their G accumulators (``HostGrads``) and P chunks (``HostParams``) where it names a tier for them,
+        each in that tier's storage (``HostOffload.tier``); every other unit's G and P on the device."""
+        self.plan, place = plan, plan.placement
+        self.host_units = self.units[place.first(len(self.units)):]
+        grads = self.host_units if place.offloads("g") else []
+        params = self.host_units if place.offloads("p") else []
+        why = refusal(place, self.layout, self.topo.world_size)
+        if why:
+            raise ValueError(f"lins: {why}")
         for unit in self.units:
-            unit.place_params(self.host.params_pool(self.device) if unit in params else None)
-        host_grads = self.host.place_grads(grads)
+            unit.place_params(self.host.params_pool(self.device, place.p) if unit in params else None)
+        host_grads = self.host.place_grads(grads, place.g)
         for unit in self.units:
             unit.place_grads(host_grads.slot(unit) if unit in grads else None)
 
@@ -171,11 +167,17 @@ class LinsRuntime(FullValues):
         self._make_masters()
 
     def _make_masters(self) -> None:
-        self.masters = Masters(self._basic, self.units, self.host_units)
+        self.masters = Masters(self._basic, self.units, self.host_units, self._os_tier())
         self._place_updater()
 
+    def _os_tier(self):
+        """The storage of the tier the plan keeps its offloaded units' OS in (None: every OS on the device)."""
+        place = self.plan.placement
+        return self.host.tier(place.os, self.device) if place.offloads("os") else None
+
     def _place_updater(self) -> None:
-        self.host.place_updater(self._basic, self.plan.host_optimizer, self.masters.on_host() if self.masters else [])
+        self.host.place_updater(self._basic, self.plan.host_optimizer, self.masters.on_host() if self.masters else [],
+                                self.plan.placement.os)
 
     def master_slices(self) -> list:
         """This rank's master slices (``MasterSlice``: ``param``, ``range`` with ``by_parameter()``, ``on_host``,
@@ -268,7 +270,7 @@ class LinsRuntime(FullValues):
         self._set_checkpointing(plan)
         if self.masters is not None:
             self.host.place_updater(self._basic, plan.host_optimizer, [])  # its pinned copies go with the slices moved
-            self.masters.place(self.units, self.host_units)
+            self.masters.place(self.units, self.host_units, self._os_tier())
             self._place_updater()
 
     def _rebuild(self, plan: Plan, staged: "staging.Staged") -> None:
@@ -572,8 +574,7 @@ class LinsRuntime(FullValues):
 
 
 def _describe(plan: Plan) -> str:
-    return label(plan.layout, plan.activation_checkpointing_units, plan.num_layers, plan.offload_units,
-                 grads=plan.offload_grads, params=plan.offload_params)
+    return label(plan.layout, plan.activation_checkpointing_units, plan.num_layers, plan.placement)
 
 
 def _report(dev, t0: float, base: int, host_bytes: int) -> RelayoutReport:
@@ -591,11 +592,6 @@ def _try(fn):
         return None
     except Exception as e:  # noqa: BLE001 - agreed by the caller: every rank goes back together
         return f"{type(e).__name__}: {e}"
-
-
-def _first_offloaded(plan: Plan, n_units: int) -> int:
-    """Index of the first of the plan's offloaded units: the last ``offload_units`` in forward order (root first)."""
-    return n_units - min(plan.offload_units, n_units)
 
 
 def _materialise_outside_units(module: torch.nn.Module, mat: Materializer, device: torch.device) -> None:

@@ -242,12 +242,12 @@ def solve_context(facts: LaunchFacts, cfg: LinsConfig, ckpt=None, table: Optiona
 
 def _offload_note(context: SolveContext, plan: Plan) -> str:
     host = context.offload.host
-    if not plan.offload_units or host is None:
+    if not plan.placement.on_host or host is None:
         return ""
     return (f"\n  offload: host optimizer {host.optimizer}, {host.update_elems_per_s / 1e9:.2f} G elements/s; "
             f"copies {host.h2d_gbs:.1f} GB/s up, {host.d2h_gbs:.1f} GB/s down"
             + (f", gradient sums {host.accumulate_elems_per_s / 1e9:.2f} and norms {host.norm_elems_per_s / 1e9:.2f} G "
-               "elements/s" if plan.offload_grads else "")
+               "elements/s" if plan.placement.offloads("g") else "")
             + f" ({host.source}); "
             f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}")
 
@@ -295,11 +295,10 @@ def fixed_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int =
         context = solve_context(facts, cfg, k, table, offload, seq_len)
     except PlanError as e:  # a prediction never blocks a fixed plan; a fixed offload still applies
         if spec.mode == "fixed":
-            units = spec.choices(n + 1)[0]
-            plan = dataclasses.replace(plan, offload_units=units,
-                                       offload_grads=spec.grad_choices(layout, topo.world_size) == [True],
-                                       offload_params=spec.param_choices(layout) == [True],
-                                       host_optimizer=host_optimizer_of(spec.host, units))
+            # the least this offload asks for: its first placement (check_placement: the layout carries one)
+            placement = spec.placements(layout, topo.world_size)[0].with_units(spec.choices(n + 1)[0])
+            plan = dataclasses.replace(plan, placement=placement,
+                                       host_optimizer=host_optimizer_of(spec.host, placement))
         return plan, summary + _fixed_offload_note(plan) + f" (memory not predicted: {e})", None
     return fixed_predicted(context, plan, summary)
 
@@ -308,16 +307,15 @@ def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
     """(plan, summary, context) of a fixed layout with the offload ``context`` allows and the memory it predicts."""
     layout, k = plan.layout, plan.activation_checkpointing_units
     check_placement(context.offload, layout, context.topo)
-    e = context.fewest_offloaded(layout, k) if context.offload.mode != "off" else context.evaluate(layout, k, 0)
+    e = context.fewest_offloaded(layout, k) if context.offload.mode != "off" else context.evaluate(layout, k)
     if e.memory.host_gb > e.host_capacity_gb:
         raise LinsConfigError(f"lins.offload: the fixed plan's offloaded optimizer state needs {_gib(e.memory.host_gb)} "
                               f"GiB of host memory per rank, {_gib(e.host_capacity_gb)} GiB available "
                               "(lins.host_memory_gb / ranks per node)")
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
-                               memory_profile=e.memory.activation_source, offload_units=e.offload_units,
-                               host_gb=e.memory.host_gb, offload_grads=e.offload_grads,
-                               offload_params=e.offload_params,
-                               host_optimizer=host_optimizer_of(context.offload.host, e.offload_units))
+                               memory_profile=e.memory.activation_source, placement=e.placement,
+                               host_gb=e.memory.host_gb,
+                               host_optimizer=host_optimizer_of(context.offload.host, e.placement))
     summary += _fixed_offload_note(plan)
     summary += (f"; predicted peak {e.memory.allocated_gb:.2f} GiB allocated, {e.memory.total_gb:.2f} GiB with "
                 f"margin and reserve (activations: {context.activations_note})")
@@ -326,10 +324,13 @@ def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
     return plan, summary + _offload_note(context, plan), context
 
 
+STATE_WORDS = {"os": "optimizer state", "g": "gradients", "p": "parameters"}
+
+
 def _fixed_offload_note(plan: Plan) -> str:
-    what = "optimizer state" + (", gradients" if plan.offload_grads else "") + (", parameters" if plan.offload_params
-                                                                                else "")
-    return f"; {what} of the last {plan.offload_units} unit(s) on the host" if plan.offload_units else ""
+    place = plan.placement
+    what = ", ".join(STATE_WORDS[state] for state in place.states())
+    return f"; {what} of the last {place.n_units} unit(s) {place.where()}" if place.n_units else ""
 
 
 class NoPlanFits(LinsConfigError):

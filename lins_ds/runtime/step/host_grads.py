@@ -17,7 +17,7 @@ __all__ = ["HostGradSlot", "HostGrads"]
 
 
 class HostGrads:
-    """The G accumulators of the units whose gradients live on the host (the plan's ``offload_grads``), in the
+    """The G accumulators of the units whose gradients live on the host (the plan's ``placement.g``), in the
     offload tier (pinned host memory), and the thread that adds each micro-batch's gradient into them
     (docs/design.md §13).
 

@@ -13,7 +13,7 @@ __all__ = ["HostParams"]
 
 
 class HostParams:
-    """The P chunks of the units whose parameters live on the host (the plan's ``offload_params``; only where s_p =
+    """The P chunks of the units whose parameters live on the host (the plan's ``placement.p``; only where s_p =
     s_os, so that the host optimizer writes the P chunk itself and no P-sync follows): in the tier, and before each
     use uploaded on a lane of their own — then all-gathered over the P group where s_p > 1 — into the unit's full
     buffer (docs/design.md §13). The host optimizer writes a unit's P chunk only after the step's events, which

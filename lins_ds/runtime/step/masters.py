@@ -4,14 +4,18 @@ re-layout reach them only through the runtime's queries.
 
 The client's (or DeepSpeed's) basic optimizer keeps its param groups — same order, same hyperparameters, so LR
 schedulers work unchanged — but each group's ``params`` become this rank's fp32 master slices of that group inside its
-OS chunks; a unit whose OS the plan puts on the host has its slices there, in pieces of ``HOST_PIECE`` elements.
+OS chunks; a unit whose OS the plan puts off the device has its slices in the OS's tier (``storage.Tier``: pinned host
+memory today), in pieces of ``HOST_PIECE`` elements.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .host_memory import HOST_PIECE, host_empty
+from .host_memory import HOST_PIECE
+from .storage import Tier
 
 
 def steps_per_parameter(optimizer) -> bool:
@@ -21,15 +25,15 @@ def steps_per_parameter(optimizer) -> bool:
 
 
 class MasterSlice:
-    """The master tensor of one ``OSRange`` (a param group's part of one unit's OS chunk on this rank); in host
-    memory (pinned where the device is a GPU) for a unit whose OS is offloaded."""
+    """The master tensor of one ``OSRange`` (a param group's part of one unit's OS chunk on this rank); in ``tier``
+    (host memory, pinned where the device is a GPU) for a unit whose OS is offloaded, ``on_host`` then."""
 
-    def __init__(self, os_range, on_host: bool = False):
-        self.range, self.on_host = os_range, on_host
+    def __init__(self, os_range, tier: Optional[Tier] = None):
+        self.range, self.on_host = os_range, tier is not None
         src = os_range.params()
-        self.aliased = src.dtype == torch.float32 and not on_host  # fp32 params are their own master copy
-        if on_host:
-            master = host_empty(src.numel(), torch.float32, os_range.unit.device)  # src is on the host with P there
+        self.aliased = src.dtype == torch.float32 and not self.on_host  # fp32 params are their own master copy
+        if self.on_host:
+            master = tier.allocate(src.numel(), torch.float32)  # src is in the tier already with P there
             master.copy_(src)
         else:
             master = src if self.aliased else src.float().clone()
@@ -52,12 +56,12 @@ def scalar_state(value, param: torch.Tensor, group: dict):
     return value.to(param.device if on_device else "cpu", copy=True)
 
 
-def _moved(os_range, old: list, to_host: bool, state: dict, group: dict) -> list:
-    """New master slices of ``os_range`` (on the host in pieces, or on the device whole) holding the values and
-    optimizer state of the ``old`` slices that cover it."""
+def _moved(os_range, old: list, tier: Optional[Tier], state: dict, group: dict) -> list:
+    """New master slices of ``os_range`` (in ``tier`` in pieces, or with None on the device whole) holding the values
+    and optimizer state of the ``old`` slices that cover it."""
     out = []
-    for r in (os_range.pieces(HOST_PIECE) if to_host else [os_range]):
-        m = MasterSlice(r, on_host=to_host)
+    for r in (os_range.pieces(HOST_PIECE) if tier is not None else [os_range]):
+        m = MasterSlice(r, tier)
         moved: dict = {}
         for sl in old:
             a, b = max(sl.range.lo, r.lo), min(sl.range.hi, r.hi)
@@ -80,14 +84,17 @@ class Masters:
     """Every master slice of this rank under one plan, bound into ``basic``'s param groups (group-major, units in
     order), and the batches the device slices are updated in."""
 
-    def __init__(self, basic, units: list, host_units: list):
-        """``units``: the plan's units, in order; ``host_units``: those whose OS the plan keeps on the host. The basic
-        optimizer keeps its param groups (hyperparameters, LR schedulers); its ``params`` and state start over."""
+    def __init__(self, basic, units: list, host_units: list, tier: Optional[Tier] = None):
+        """``units``: the plan's units, in order; ``host_units``: those whose OS the plan keeps off the device, in
+        ``tier``. The basic optimizer keeps its param groups (hyperparameters, LR schedulers); its ``params`` and state
+        start over."""
+        _check_tier(host_units, tier)
         self.basic = basic
         self.slices: list = []
         on_host = set(host_units)
         for gi, group in enumerate(basic.param_groups):
-            masters = [MasterSlice(r, u in on_host) for u in units for r in _ranges(u, gi, u in on_host)]
+            masters = [MasterSlice(r, tier if u in on_host else None) for u in units
+                       for r in _ranges(u, gi, u in on_host)]
             self.slices.extend(masters)
             group["params"] = [m.param for m in masters]
         basic.state.clear()
@@ -148,10 +155,11 @@ class Masters:
 
     # --- moves (a re-plan: docs/design.md §14) ------------------------------------------------------------------------
     @torch.no_grad()
-    def place(self, units: list, host_units: list) -> None:
-        """After the host units changed under the same layout: each unit whose OS placement changed moves (to the
-        host first, then to the device, one unit at a time: one unit's state extra at most); the others keep their
+    def place(self, units: list, host_units: list, tier: Optional[Tier] = None) -> None:
+        """After the host units changed under the same layout: each unit whose OS placement changed moves (to
+        ``tier`` first, then to the device, one unit at a time: one unit's state extra at most); the others keep their
         masters and state untouched. Idempotent: it moves what differs from ``host_units``."""
+        _check_tier(host_units, tier)
         state, want = self.basic.state, set(host_units)
         by_unit: dict = {}
         for sl in self.slices:
@@ -162,8 +170,8 @@ class Masters:
             new = []
             try:
                 for gi in dict.fromkeys(sl.range.group for sl in by_unit[u]):
-                    new += _moved(u.os_range(gi), [sl for sl in by_unit[u] if sl.range.group == gi], u in want,
-                                  state, groups[gi])
+                    new += _moved(u.os_range(gi), [sl for sl in by_unit[u] if sl.range.group == gi],
+                                  tier if u in want else None, state, groups[gi])
             except BaseException:
                 for m in new:  # this unit stays where it was, its state untouched
                     state.pop(m.param, None)
@@ -215,6 +223,11 @@ class Masters:
             if state:
                 self.basic.state[sl.param] = state
             sl.write_back()
+
+
+def _check_tier(host_units: list, tier: Optional[Tier]) -> None:
+    if host_units and tier is None:
+        raise ValueError("lins: master slices off the device need the tier that holds them")
 
 
 def _ranges(unit, group: int, on_host: bool) -> list:

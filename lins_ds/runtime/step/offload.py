@@ -25,11 +25,12 @@ paths).
 from __future__ import annotations
 
 import enum
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from ... import comm
+from ...plan.offload import HOST
 from ..errors import HostProtocolError
 from .host_grads import HostGrads
 from .host_memory import PinnedHost
@@ -38,8 +39,12 @@ from .host_params import HostParams
 from .host_updater import HostUpdater
 from .storage import Tier
 
-__all__ = ["HOST_TRANSITIONS", "HostGrads", "HostOffload", "HostParams", "HostPhase", "HostProtocol",
+__all__ = ["HOST_TRANSITIONS", "TIERS", "HostGrads", "HostOffload", "HostParams", "HostPhase", "HostProtocol",
            "HostProtocolError", "HostUpdater"]
+
+# The storage of each tier a plan's ``Placement`` may name (``plan.offload.TIERS``; the device holds its own): the one
+# map from a tier's name to the ``storage.Tier`` that implements it. A further tier is a class and a line here.
+TIERS = {HOST: PinnedHost}
 
 
 class HostPhase(enum.Enum):
@@ -81,51 +86,61 @@ class HostOffload:
     G goes to), never this object."""
 
     def __init__(self, device: torch.device, accum_dtype: torch.dtype,
-                 tier: Callable[[torch.device], Tier] = PinnedHost):
-        """``tier(device)``: the offload tier of ``device``'s state, made for each part as it is placed (the runtime
-        sets ``device`` once its units are built)."""
+                 tiers: Mapping[str, Callable[[torch.device], Tier]] = TIERS):
+        """``tiers``: the storage of each tier a plan's placement names (``TIERS``), made for each part in the tier
+        the placement gives its state, as it is placed (the runtime sets ``device`` once its units are built)."""
         self.device, self.accum_dtype = device, accum_dtype
-        self.make_tier = tier
+        self.tiers = tiers
         self.protocol = HostProtocol()
-        self.params: Optional[HostParams] = None  # made when a unit first keeps its P chunk on the host
+        self._param_pools: dict = {}  # tier -> the HostParams of the P chunks kept there, made at its first unit
         self.grads: Optional[HostGrads] = None
+        self._grads_tier = ""
         self.updater: Optional[HostUpdater] = None
         self.optimizer_name = ""
         self._downloads: Optional[list] = None  # start_updates' events, for begin
 
     # --- placement (the runtime, per plan) ----------------------------------------------------------------------
-    def params_pool(self, device: torch.device) -> HostParams:
-        """The pool (and upload lane) of the P chunks kept on the host of ``device``."""
-        if self.params is None:
-            self.params = HostParams(device, self.make_tier(device))
-        return self.params
+    def tier(self, name: str, device: Optional[torch.device] = None) -> Tier:
+        """The storage of tier ``name`` (a ``Placement``'s tier of a state) for ``device`` (the runtime's)."""
+        if name not in self.tiers:
+            raise ValueError(f"lins: a plan places state on {name!r}, which has no storage here (tiers: "
+                             f"{', '.join(self.tiers)})")
+        return self.tiers[name](device if device is not None else self.device)
 
-    def place_grads(self, units: list) -> Optional[HostGrads]:
-        """The G accumulators of ``units`` on the host (none: no thread); the same units keep theirs."""
-        if self.grads is not None and self.grads.units() == units:
+    def params_pool(self, device: torch.device, tier: str = HOST) -> HostParams:
+        """The pool (and upload lane) of the P chunks kept in ``tier`` for ``device``."""
+        if tier not in self._param_pools:
+            self._param_pools[tier] = HostParams(device, self.tier(tier, device))
+        return self._param_pools[tier]
+
+    def place_grads(self, units: list, tier: str = HOST) -> Optional[HostGrads]:
+        """The G accumulators of ``units`` in ``tier`` (none: no thread); the same units there keep theirs."""
+        if self.grads is not None and self.grads.units() == units and self._grads_tier == tier:
             return self.grads
         if self.grads is not None:
             self.grads.close()
             self.grads = None
         if units:
             self.grads = HostGrads(units, self.accum_dtype, self.device, self.protocol, self._wait_update,
-                                   self.make_tier(self.device))
+                                   self.tier(tier))
+            self._grads_tier = tier
         return self.grads
 
     def _wait_update(self, unit) -> None:
         if self.updater is not None:
             self.updater.wait_unit(unit)
 
-    def place_updater(self, basic, kind: str, slices_by_unit: list) -> None:
+    def place_updater(self, basic, kind: str, slices_by_unit: list, tier: str = HOST) -> None:
         """The worker over ``slices_by_unit`` ([(unit, its host master slices)]; none: no worker), its optimizer the
-        engine's ``basic`` one's hyperparameters with a CPU implementation of ``kind`` ("torch" or "deepspeed")."""
+        engine's ``basic`` one's hyperparameters with a CPU implementation of ``kind`` ("torch" or "deepspeed"), its
+        gradients down and parameters up through ``tier`` (the OS's)."""
         self.updater, self.optimizer_name = None, ""  # its pinned copies go with the slices that moved
         if not slices_by_unit:
             return
         masters = [s for _, slices in slices_by_unit for s in slices]
         by_group = [[s.param for s in masters if s.range.group == gi] for gi in range(len(basic.param_groups))]
         opt = HostOptimizer(basic, by_group, kind, self.device)
-        updater = HostUpdater(opt, slices_by_unit, self.device, self.grads, self.make_tier(self.device))
+        updater = HostUpdater(opt, slices_by_unit, self.device, self.grads, self.tier(tier))
         self.updater, self.optimizer_name = updater, opt.name
 
     # --- the protocol (one step) ----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from deepspeed.utils import logger
 from ... import comm
 from ...plan import Plan
 from ...plan import tune as choose
+from ...plan.offload import Placement
 from ...plan.solver import fewest_offloaded, plan_of
 from ..errors import RelayoutError
 
@@ -70,14 +71,15 @@ def candidates(context, count: int) -> list:
     best = fitting[0]
     depths = context.train.checkpoint_choices(context.model.num_layers)
     offloads = context.offload.choices(len(context.model.unit_params()))
-    place = (best.offload_grads, best.offload_params)
-    near = choose.neighbours(best, lambda k, o: context.evaluate(best.layout, k, o, place if o else (False, False)),
-                             depths, offloads)  # the neighbours keep the best's placement; and the others
-    for other_place in (context.placements(best.layout) if best.offload_units else []):
-        if other_place != place:
-            other, _ = fewest_offloaded(lambda o: context.evaluate(best.layout, best.ckpt_units, o, other_place),
+    # the neighbours keep the best's placement (those of a GPU-resident best offload the OS alone); and the others
+    place = best.placement if best.placement.n_units else Placement.of(1)
+    near = choose.neighbours(best, lambda k, o: context.evaluate(best.layout, k, place.with_units(o)),
+                             depths, offloads)
+    for shape in (context.placements(best.layout) if best.placement.n_units else []):
+        if shape != place.with_units(1):
+            other, _ = fewest_offloaded(lambda o: context.evaluate(best.layout, best.ckpt_units, shape.with_units(o)),
                                         offloads)
-            if other.fits and other.offload_units:
+            if other.fits and other.placement.n_units:
                 near.append((other, "placement"))
     return choose.candidates(fitting, near, count, context.topo.world_size,
                              lambda e: choose.predicted_step_s(e, context.model, context.train, context.compute))
@@ -154,14 +156,12 @@ def invalid(plan: Plan, context) -> str:
     if plan.num_layers != model.num_layers or not 0 <= plan.activation_checkpointing_units <= model.num_layers:
         return f"it checkpoints {plan.activation_checkpointing_units} of {plan.num_layers} layers; the model has " \
                f"{model.num_layers}"
-    units = len(model.unit_params())
-    if not 0 <= plan.offload_units <= units or (plan.offload_units and context.offload.mode == "off"):
-        return f"it offloads {plan.offload_units} of {units} units, which this job's offload does not allow"
-    place = (plan.offload_grads, plan.offload_params)
-    if plan.offload_units and place not in context.placements(plan.layout):
-        return f"its placement (gradients on the host {place[0]}, parameters {place[1]}) is not allowed for its layout"
-    e = context.evaluate(plan.layout, plan.activation_checkpointing_units, plan.offload_units,
-                         place if plan.offload_units else (False, False))
+    units, place = len(model.unit_params()), plan.placement
+    if not 0 <= place.n_units <= units or (place.n_units and context.offload.mode == "off"):
+        return f"it offloads {place.n_units} of {units} units, which this job's offload does not allow"
+    if not context.allows(plan.layout, place):
+        return f"its placement ({place.placed()} {place.where()}) is not allowed for its layout"
+    e = context.evaluate(plan.layout, plan.activation_checkpointing_units, place)
     if not e.fits:
         return "it does not fit this job's budget (GPU or host memory)"
     return ""
