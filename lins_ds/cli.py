@@ -56,6 +56,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-update-gelems", type=float, default=2.2, help="host optimizer speed, G elements/s "
                    "(default: torch's fused CPU AdamW as measured by an H200 host's engine start-up)")
     p.add_argument("--host-copy-gbs", type=float, default=50.0, help="pinned host<->GPU copy bandwidth, GB/s")
+    p.add_argument("--longest", action="store_true", help="also find the longest sequence (a multiple of 128) that "
+                   "fits this budget and host, and say which tensor binds beyond it")
     p.add_argument("--format", default="table", choices=["table", "json"])
 
 
@@ -114,26 +116,62 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mem = P.MemorySpec(capacity, context.reserved_gb(args.reserved_gb, device), args.fragmentation)
     rungs = _offload_rungs(args, topo)
 
-    def solve(spec):
-        return P.solve(model, topo, train, mem, table, compute, objective=args.objective, offload=spec), True
+    def plan_at(t):  # the engine's offload policy: "auto" offloads only where no GPU-resident plan fits
+        def solve(spec):
+            return P.solve(model, topo, t, mem, table, compute, objective=args.objective, offload=spec), True
+        return walk(rungs, solve, (P.NoFeasiblePlan,))
 
-    try:  # the engine's offload policy: "auto" offloads only where no GPU-resident plan fits
-        sol = walk(rungs, solve, (P.NoFeasiblePlan,))
+    longest = _longest(plan_at, model, train, P) if args.longest else None
+    try:
+        sol = plan_at(train)
     except P.NoFeasiblePlan as e:
         if args.format == "json":
             print(json.dumps({"error": str(e), "smallest_plan": e.smallest.layout.to_json(),
                               "smallest_memory_gb": round(e.smallest.memory.total_gb, 4),
-                              "lacking_gb": round(e.smallest.memory.total_gb - e.capacity_gb, 4)}))
+                              "lacking_gb": round(e.smallest.memory.total_gb - e.capacity_gb, 4),
+                              **({"longest": longest.to_json()} if longest else {})}))
         print(f"lins-ds plan: {e}", file=sys.stderr)
+        if longest:
+            print(f"lins-ds plan: {longest.describe()}", file=sys.stderr)
         return 2
     sol.inputs.update(model=model.name, params=model.total_params(), nodes=topo.nodes,
                       gpus_per_node=topo.gpus_per_node, gpu_memory_gb=capacity, seq_len=train.seq_len,
                       micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum, dtype=train.param_dtype)
     if args.format == "json":
-        print(json.dumps(report.to_json(sol), indent=1))
+        print(json.dumps({**report.to_json(sol), **({"longest": longest.to_json()} if longest else {})}, indent=1))
     else:
-        print(report.to_table(sol))
+        print(report.to_table(sol) + (f"\n{longest.describe()}" if longest else ""))
     return 0
+
+
+def _longest(plan_at, model, train, P):
+    """The longest sequence ``plan_at`` finds a plan for (``plan.longest.search``), and at the next length tried the
+    smallest plan's terms, the activations split by tensor (``plan.longest``)."""
+    import dataclasses
+
+    from .plan import longest as L
+
+    def at(n):
+        return dataclasses.replace(train, seq_len=n)
+
+    def fits(n):
+        try:
+            plan_at(at(n))
+            return True
+        except P.NoFeasiblePlan:
+            return False
+
+    seq, capped = L.search(fits, train.seq_len)
+    if capped:
+        return L.Longest(seq, True)
+    try:
+        plan_at(at(seq + L.ALIGN))
+        return L.Longest(seq, False)  # not monotone after all: say only the length
+    except P.NoFeasiblePlan as e:
+        smallest = e.smallest
+        short = max(smallest.memory.total_gb - e.capacity_gb, smallest.memory.host_gb - smallest.host_capacity_gb)
+        tensors = L.activation_tensors(model, at(seq + L.ALIGN), smallest.ckpt_units)
+        return L.Longest(seq, False, L.binding(smallest.memory.terms, tensors), short)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -157,3 +157,35 @@ def test_plan_from_a_profile_predicts_what_the_engine_predicts(tmp_path, capsys,
 def test_the_compute_table_profiler_moved_to_bench_and_lins_ds_says_where():
     with pytest.raises(SystemExit, match="python -m bench profile --compute"):
         main(["profile", "--compute"])
+
+
+ONE_GPU = ["--model", "llama-1b", "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "24",
+           "--micro-batch-size", "1"]
+
+
+def test_longest_is_the_longest_length_that_plans_and_names_what_binds(capsys):
+    """``--longest``: the length it reports gets a plan, 128 more does not, and beyond it the tensor it names first is
+    the largest of those that grow with the sequence (here, the seq x vocab logits and loss)."""
+    assert main(["plan", *ONE_GPU, "--seq-len", "2048", "--longest", "--format", "json"]) == 0
+    longest = json.loads(capsys.readouterr().out)["longest"]
+    n = longest["seq_len"]
+    assert n % 128 == 0 and n > 2048 and not longest["capped"] and longest["short_gb"] > 0
+    assert main(["plan", *ONE_GPU, "--seq-len", str(n)]) == 0
+    assert main(["plan", *ONE_GPU, "--seq-len", str(n + 128)]) == 2
+    names = [name for name, _ in longest["binding"]]
+    sizes = [gb for _, gb in longest["binding"][:-1]]  # the growing tensors, then the state that does not grow
+    assert sizes == sorted(sizes, reverse=True) and names[0] == "logits and loss (seq x vocab)", longest
+    assert names[-1].startswith("state and buffers") and longest["binding"][-1][1] > 0
+    capsys.readouterr()
+    # a length that does not fit still says how long one can be
+    assert main(["plan", *ONE_GPU, "--seq-len", str(4 * n), "--longest"]) == 2
+    assert f"longest sequence: {n} tokens per sequence fit" in capsys.readouterr().err
+
+
+def test_longest_search_finds_the_edge_from_either_side():
+    from lins_ds.plan.longest import ALIGN, search
+
+    for edge in (ALIGN, 5 * ALIGN, 1000 * ALIGN):
+        for start in (ALIGN, 3 * ALIGN, 4000 * ALIGN):
+            assert search(lambda n: n <= edge, start) == (edge, False)
+    assert search(lambda n: False, 1024) == (0, False)
