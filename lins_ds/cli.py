@@ -56,6 +56,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-update-gelems", type=float, default=2.2, help="host optimizer speed, G elements/s "
                    "(default: torch's fused CPU AdamW as measured by an H200 host's engine start-up)")
     p.add_argument("--host-copy-gbs", type=float, default=50.0, help="pinned host<->GPU copy bandwidth, GB/s")
+    p.add_argument("--tiling", default="auto", help="sequence tiling of the MLPs and the logits + loss, as lins.tiling: "
+                   "auto (only where nothing fits untiled; LLaMA-like models), off, or MLP,LOGITS tile counts")
     p.add_argument("--longest", action="store_true", help="also find the longest sequence (a multiple of 128) that "
                    "fits this budget and host, and say which tensor binds beyond it")
     p.add_argument("--format", default="table", choices=["table", "json"])
@@ -95,6 +97,7 @@ def _offload_rungs(args: argparse.Namespace, topo) -> list:
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import plan as P
     from .plan import context, cost, report
+    from .plan import sequence
     from .plan.offload import walk
 
     topo = P.Topology(args.nodes, args.gpus_per_node)
@@ -115,13 +118,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = "cpu" if args.profile and table.meta.get("device") == "cpu" else "cuda"  # the profile's device
     mem = P.MemorySpec(capacity, context.reserved_gb(args.reserved_gb, device), args.fragmentation)
     rungs = _offload_rungs(args, topo)
+    tilings = sequence.rungs(_tiling_choice(args.tiling), model.arch == "llama")
 
-    def plan_at(t):  # the engine's offload policy: "auto" offloads only where no GPU-resident plan fits
-        def solve(spec):
-            return P.solve(model, topo, t, mem, table, compute, objective=args.objective, offload=spec), True
-        return walk(rungs, solve, (P.NoFeasiblePlan,))
+    def plan_at(t):  # the engine's policies: "auto" offloads, then tiles, only where nothing fits without
+        def tiled(mlp, logits):
+            def solve(spec):
+                return P.solve(model, topo, sequence.tiled(t, mlp, logits), mem, table, compute,
+                               objective=args.objective, offload=spec), True
+            return walk(rungs, solve, (P.NoFeasiblePlan,))
+        return sequence.walk(tilings, tiled, (P.NoFeasiblePlan,))
 
-    longest = _longest(plan_at, model, train, P) if args.longest else None
+    longest = _longest(plan_at, model, train, P, tilings[-1]) if args.longest else None
     try:
         sol = plan_at(train)
     except P.NoFeasiblePlan as e:
@@ -144,12 +151,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _longest(plan_at, model, train, P):
+def _tiling_choice(text: str):
+    """--tiling as lins.tiling: "auto", False ("off"), or (MLP tiles, logits tiles) from "M,L"."""
+    if text in ("auto", "off"):
+        return "auto" if text == "auto" else False
+    try:
+        mlp, logits = (int(x) for x in text.split(","))
+        if mlp >= 1 and logits >= 1:
+            return (mlp, logits)
+    except ValueError:
+        pass
+    raise SystemExit(f"lins-ds plan: --tiling {text!r} is not auto, off or MLP,LOGITS (two positive tile counts)")
+
+
+def _longest(plan_at, model, train, P, last_tiling: tuple):
     """The longest sequence ``plan_at`` finds a plan for (``plan.longest.search``), and at the next length tried the
-    smallest plan's terms, the activations split by tensor (``plan.longest``)."""
+    smallest plan's terms, the activations split by tensor (``plan.longest``) under the last tiling tried."""
     import dataclasses
 
     from .plan import longest as L
+    from .plan import sequence
 
     def at(n):
         return dataclasses.replace(train, seq_len=n)
@@ -170,7 +191,7 @@ def _longest(plan_at, model, train, P):
     except P.NoFeasiblePlan as e:
         smallest = e.smallest
         short = max(smallest.memory.total_gb - e.capacity_gb, smallest.memory.host_gb - smallest.host_capacity_gb)
-        tensors = L.activation_tensors(model, at(seq + L.ALIGN), smallest.ckpt_units)
+        tensors = L.activation_tensors(model, sequence.tiled(at(seq + L.ALIGN), *last_tiling), smallest.ckpt_units)
         return L.Longest(seq, False, L.binding(smallest.memory.terms, tensors), short)
 
 

@@ -100,7 +100,7 @@ def test_plan_offloads_only_where_no_gpu_resident_plan_fits_as_the_engine_does(c
     plans = {}
     for gb in ("24", "20"):
         for host in ([], ["--host-memory-gb", "1000"]):
-            code = main(["plan", *ONE_GPU_1B, "--gpu-memory-gb", gb, *host])
+            code = main(["plan", *ONE_GPU_1B, "--gpu-memory-gb", gb, "--tiling", "off", *host])
             out = capsys.readouterr().out
             plans[gb, bool(host)] = json.loads(out) if code == 0 else None
     assert plans["24", True]["offload_units"] == 0
@@ -166,20 +166,25 @@ ONE_GPU = ["--model", "llama-1b", "--nodes", "1", "--gpus-per-node", "1", "--gpu
 def test_longest_is_the_longest_length_that_plans_and_names_what_binds(capsys):
     """``--longest``: the length it reports gets a plan, 128 more does not, and beyond it the tensor it names first is
     the largest of those that grow with the sequence (here, the seq x vocab logits and loss)."""
-    assert main(["plan", *ONE_GPU, "--seq-len", "2048", "--longest", "--format", "json"]) == 0
+    untiled = [*ONE_GPU, "--tiling", "off"]
+    assert main(["plan", *untiled, "--seq-len", "2048", "--longest", "--format", "json"]) == 0
     longest = json.loads(capsys.readouterr().out)["longest"]
     n = longest["seq_len"]
     assert n % 128 == 0 and n > 2048 and not longest["capped"] and longest["short_gb"] > 0
-    assert main(["plan", *ONE_GPU, "--seq-len", str(n)]) == 0
-    assert main(["plan", *ONE_GPU, "--seq-len", str(n + 128)]) == 2
+    assert main(["plan", *untiled, "--seq-len", str(n)]) == 0
+    assert main(["plan", *untiled, "--seq-len", str(n + 128)]) == 2
     names = [name for name, _ in longest["binding"]]
     sizes = [gb for _, gb in longest["binding"][:-1]]  # the growing tensors, then the state that does not grow
     assert sizes == sorted(sizes, reverse=True) and names[0] == "logits and loss (seq x vocab)", longest
     assert names[-1].startswith("state and buffers") and longest["binding"][-1][1] > 0
     capsys.readouterr()
     # a length that does not fit still says how long one can be
-    assert main(["plan", *ONE_GPU, "--seq-len", str(4 * n), "--longest"]) == 2
+    assert main(["plan", *untiled, "--seq-len", str(4 * n), "--longest"]) == 2
     assert f"longest sequence: {n} tokens per sequence fit" in capsys.readouterr().err
+    # tiling (lins.tiling "auto") takes the logits out of the way: longer, and the layers' activations bind
+    assert main(["plan", *ONE_GPU, "--seq-len", "2048", "--longest", "--format", "json"]) == 0
+    tiled = json.loads(capsys.readouterr().out)["longest"]
+    assert tiled["seq_len"] > 2 * n and tiled["binding"][0][0] == "layer activations kept for backward", tiled
 
 
 def test_longest_search_finds_the_edge_from_either_side():
@@ -189,3 +194,25 @@ def test_longest_search_finds_the_edge_from_either_side():
         for start in (ALIGN, 3 * ALIGN, 4000 * ALIGN):
             assert search(lambda n: n <= edge, start) == (edge, False)
     assert search(lambda n: False, 1024) == (0, False)
+
+
+def test_tiling_comes_only_where_nothing_fits_without_it_and_after_offload(capsys):
+    """lins.tiling "auto" (plan.sequence.LADDER, walked after the offload ladder): at 24 GiB nothing is tiled; at 20
+    GiB without a host the logits are tiled, with a host the optimizer state goes there first; "off" refuses."""
+    def plan(*extra):
+        code = main(["plan", *ONE_GPU_1B, *extra])
+        out = capsys.readouterr().out
+        return json.loads(out) if code == 0 else None
+
+    fits = plan("--gpu-memory-gb", "24")
+    assert (fits["mlp_tiles"], fits["logits_tiles"], fits["offload_units"]) == (1, 1, 0)
+    tiled = plan("--gpu-memory-gb", "20")
+    assert tiled["logits_tiles"] > 1 and tiled["offload_units"] == 0
+    assert tiled["plan_record"]["logits_tiles"] == tiled["logits_tiles"]
+    assert tiled["memory_gb_per_gpu"] <= 20
+    offloaded = plan("--gpu-memory-gb", "20", "--host-memory-gb", "1000")
+    assert offloaded["offload_units"] > 0 and offloaded["logits_tiles"] == 1
+    assert plan("--gpu-memory-gb", "20", "--tiling", "off") is None
+    fixed = plan("--gpu-memory-gb", "24", "--tiling", "2,4")
+    assert (fixed["mlp_tiles"], fixed["logits_tiles"]) == (2, 4)
+    assert fixed["memory_gb_per_gpu"] < fits["memory_gb_per_gpu"]

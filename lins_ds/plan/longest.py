@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .memory import ActivationProfile, formula_activations
+from .memory import ActivationProfile, formula_activations, tiled_activations
 from .model import ModelSpec
 from .spec import GIB, TrainingSpec
 
@@ -75,8 +75,9 @@ def activation_tensors(model: ModelSpec, train: TrainingSpec, ckpt_units: int,
                        activations: Optional[ActivationProfile] = None) -> dict:
     """GiB of the activation tensors that grow with the sequence, at ``train``'s length, for a plan checkpointing
     ``ckpt_units`` of the model's layer units: what the layers keep for backward, one layer's backward working set,
-    and the head (embedding output, logits, the loss's fp32 copies and their gradients)."""
+    and the head (embedding output, logits, the loss's fp32 copies and their gradients), under ``train``'s tiling."""
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch, train.seq_len)
+    acts = tiled_activations(acts, model, train)
     n, k = model.num_layers, ckpt_units
     return {"layer activations kept for backward": ((n - k) * acts.layer_saved + k * acts.layer_saved_ckpt) / GIB,
             "one layer's backward working set": acts.layer_transient / GIB,

@@ -32,7 +32,7 @@ the constants below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .model import ModelSpec
@@ -125,6 +125,37 @@ def fitted(longer: "ActivationProfile", shorter: "ActivationProfile") -> "Activa
 
 
 QUADRATIC_NOISE = 0.01
+MLP_SAVED = {"llama": 4, "gpt2": 2}  # seq x intermediate tensors an MLP keeps for its backward, by architecture
+LOSS_BYTES = 4 + 4  # per logit, beyond the logits' own dtype: the loss's fp32 copy and its fp32 gradient
+
+
+def mlp_bytes(model: ModelSpec, train: TrainingSpec) -> float:
+    """What one layer's MLP keeps for its backward beyond its input, at ``train``'s tokens (the seq x intermediate
+    tensors; a MoE layer's routed experts see a top-k share of the tokens each, their sum as a dense MLP's)."""
+    width = model.intermediate * max(1, model.experts_per_token if model.experts else 1) + model.shared_intermediate
+    return train.tokens_per_micro_batch * width * train.param_bytes * MLP_SAVED.get(model.arch, 4)
+
+
+def logits_bytes(model: ModelSpec, train: TrainingSpec) -> float:
+    """The head's seq x vocab tensors at their peak: the logits, the loss's fp32 copy and its gradient."""
+    return train.tokens_per_micro_batch * model.vocab * (train.param_bytes + LOSS_BYTES)
+
+
+def tiled_activations(acts: ActivationProfile, model: ModelSpec, train: TrainingSpec) -> ActivationProfile:
+    """``acts`` (at ``train``'s tokens) under ``train``'s tiling: a layer keeps no MLP intermediates and its backward
+    works on one tile of them; the head keeps the final hidden states and works on one tile of logits. Never below
+    what stays: a layer's input, the head's hidden states."""
+    if train.mlp_tiles == 1 and train.logits_tiles == 1:
+        return acts
+    floor = train.tokens_per_micro_batch * model.hidden * train.param_bytes
+    saved, transient, head = acts.layer_saved, acts.layer_transient, acts.head_peak
+    if train.mlp_tiles > 1:
+        mlp = mlp_bytes(model, train)
+        saved = max(floor, saved - mlp)
+        transient = max(0.0, transient - mlp * (1 - 1 / train.mlp_tiles))
+    if train.logits_tiles > 1:
+        head = max(2 * floor, head - logits_bytes(model, train) * (1 - 1 / train.logits_tiles))
+    return replace(acts, layer_saved=saved, layer_transient=transient, head_peak=head)
 
 
 def formula_activations(model: ModelSpec, train: TrainingSpec) -> ActivationProfile:
@@ -221,6 +252,7 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     pb, gb = train.param_bytes, train.grad_bytes
     s_p, s_g, s_os = layout.sharding()
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch, train.seq_len)
+    acts = tiled_activations(acts, model, train)
     host_g, host_p = placement.units_of("g"), placement.units_of("p")
     phases = backward_phases(model, train, topo, layout, ckpt_units, acts, host_g, host_p)
     worst = max(phases, key=lambda p: sum(phases[p].values()))

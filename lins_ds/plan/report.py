@@ -68,6 +68,7 @@ def to_json(sol: Solution) -> dict:
         **best.placement.legacy_json(), "placement": best.placement.to_json(), "num_units": best.num_units,
         "host_memory_gb": round(best.memory.host_gb, 4),
         "predicted_offload_s_per_step": best.offload_s,
+        "mlp_tiles": sol.plan.mlp_tiles, "logits_tiles": sol.plan.logits_tiles,
         "objective": best.objective, "objective_s_per_step": best.objective_s,
         "predicted_s_per_state": per_state(list(best.collectives)),
         "collectives": [c.to_json() for c in best.collectives],
@@ -101,6 +102,8 @@ def to_table(sol: Solution) -> str:
            f"{', their parameters too' if off.offloads('p') else ''}; "
            f"{_gib(best.memory.host_gb)} pinned per rank of {_gib(best.host_capacity_gb)}; "
            f"{_ms(best.offload_s).strip()} per step not hidden by the forward)" if off.n_units else ""),
+        *([f"  sequence tiling: the MLPs in {plan.mlp_tiles} tile(s), the logits and loss in {plan.logits_tiles} "
+           "(each recomputed in the backward)"] if plan.mlp_tiles > 1 or plan.logits_tiles > 1 else []),
         "",
         f"  {'state':<16}{'mesh intra x inter':>20}{'bytes/GPU':>14}{'predicted/step':>18}",
     ]

@@ -22,6 +22,7 @@ from .model import ModelSpec
 from .offload import (RESIDENT, HostSpec, OffloadSpec, Placement, exposed_seconds as offload_exposed,
                       host_optimizer_of)
 from .profile_table import ProfileTable
+from .sequence import extra_flops
 from .spec import MemorySpec, TrainingSpec
 from .topology import Layout, PlanError, Topology, candidates, check_layout
 
@@ -134,6 +135,8 @@ class Plan:
     placement: Placement = RESIDENT  # which units (the last k, root first) keep which states off the device
     host_gb: float = 0.0  # host memory the offloaded OS chunks pin on this rank
     host_optimizer: str = "torch"  # what updates the OS chunks on the host: "torch" or "deepspeed" (DeepSpeedCPUAdam)
+    mlp_tiles: int = 1  # sequence tiling (``plan.sequence``): the MLPs computed this many sequence tiles at a time
+    logits_tiles: int = 1  # ... and the logits with their loss
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -148,8 +151,13 @@ class Plan:
             "profile_source": self.profile_source, "predicted_comm_s": self.predicted_comm_s,
             "memory_gb": self.memory_gb, "predicted_peak_gb": self.predicted_peak_gb,
             "memory_profile": self.memory_profile, **self.placement.legacy_json(), "host_gb": self.host_gb,
-            "host_optimizer": self.host_optimizer, **self._placement_json(),
+            "host_optimizer": self.host_optimizer, **self._placement_json(), **self._tiling_json(),
         }
+
+    def _tiling_json(self) -> dict:
+        """The sequence tiling, where there is one (an untiled plan's JSON and digest are as before it existed)."""
+        tiled = self.mlp_tiles > 1 or self.logits_tiles > 1
+        return {"mlp_tiles": self.mlp_tiles, "logits_tiles": self.logits_tiles} if tiled else {}
 
     def _placement_json(self) -> dict:
         """The placement itself, where something is offloaded: the legacy keys above say it for the host tier (and
@@ -168,7 +176,8 @@ class Plan:
                    obj.get("profile_source", ""), float(obj.get("predicted_comm_s", 0)),
                    float(obj.get("memory_gb", 0)), float(obj.get("predicted_peak_gb", 0)),
                    obj.get("memory_profile", ""), layers, _placement_of(obj), float(obj.get("host_gb", 0.0)),
-                   str(obj.get("host_optimizer", "torch")))
+                   str(obj.get("host_optimizer", "torch")), int(obj.get("mlp_tiles", 1)),
+                   int(obj.get("logits_tiles", 1)))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
@@ -206,14 +215,16 @@ OBJECTIVES = ("step", "comm")
 
 def compute_seconds(model: ModelSpec, train: TrainingSpec, compute: ComputeSpec, ckpt_units: int) -> tuple:
     """(forward, backward) compute of one micro-batch; backward is twice the forward plus the recompute of
-    the checkpointed units."""
+    the checkpointed units and, under sequence tiling, of the tiled MLPs' and lm_head's forward."""
+    tiling = extra_flops(model, train) / compute.flops_per_s  # a tiled MLP's and lm_head's forward again
     if compute.table is not None:  # the shape model (bench/compute_model.py)
         one = compute.table.step_compute(model, replace(train, grad_accum=1), ckpt_units)
-        return one.forward_s / compute.achievable_mfu, (one.total_s - one.forward_s) / compute.achievable_mfu
+        return (one.forward_s / compute.achievable_mfu,
+                (one.total_s - one.forward_s) / compute.achievable_mfu + tiling)
     tokens = train.tokens_per_micro_batch
     fwd = tokens * model.flops_per_token(train.seq_len) / 3 / compute.flops_per_s
     recompute = ckpt_units * tokens * model.layer_forward_flops_per_token(train.seq_len) / compute.flops_per_s
-    return fwd, 2 * fwd + recompute
+    return fwd, 2 * fwd + recompute + tiling
 
 
 def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, train: TrainingSpec,
@@ -316,7 +327,7 @@ def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec
     return Plan(topo, e.layout, e.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
                 model.name, table.source, e.comm_s, e.memory.total_gb, e.memory.allocated_gb,
                 e.memory.activation_source, model.num_layers, e.placement, e.memory.host_gb,
-                host_optimizer_of(host, e.placement))
+                host_optimizer_of(host, e.placement), train.mlp_tiles, train.logits_tiles)
 
 
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,

@@ -32,6 +32,10 @@ class TrainingSpec:
     activation_checkpointing: Optional[Union[bool, int]] = None
     # the update runs one unit at a time (torch's optimizers, per-parameter state) or all at once (others)
     optimizer_per_unit: bool = True
+    # sequence tiling (issue 60; ``plan.sequence``): the layers' MLPs and the logits with their loss computed this
+    # many sequence tiles at a time (1: whole)
+    mlp_tiles: int = 1
+    logits_tiles: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("--seq-len", self.seq_len)
@@ -44,6 +48,8 @@ class TrainingSpec:
         ck = self.activation_checkpointing
         if ck is not None and not isinstance(ck, bool) and (not isinstance(ck, int) or ck < 0):
             raise PlanError(f"activation_checkpointing: {ck!r} is not true, false, null or a number of units >= 0")
+        _positive_int("mlp_tiles", self.mlp_tiles)
+        _positive_int("logits_tiles", self.logits_tiles)
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise PlanError(f"optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZER_STATE_BYTES)}")
 

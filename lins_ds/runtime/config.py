@@ -168,6 +168,20 @@ OFFLOAD_AUTO = OffloadChoice("auto", 1.0, "auto", "auto")
 OFFLOAD_OFF = OffloadChoice("off", 1.0, "gpu", "gpu")
 
 
+def _tiling(key, value):
+    """\"auto\", false, or {"mlp": m, "logits": l} (tile counts, at least 1) as (m, l)."""
+    if value == "auto" or value is False:
+        return value
+    if not isinstance(value, dict) or not value or set(value) - {"mlp", "logits"}:
+        _bad(key, value, "\"auto\", false or {\"mlp\": 4, \"logits\": 8} (sequence tiles of the MLPs and of the "
+             "logits with their loss)")
+    for part in ("mlp", "logits"):
+        n = value.get(part, 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            _bad(f"{key}.{part}", n, "a positive integer (1: not tiled)")
+    return (value.get("mlp", 1), value.get("logits", 1))
+
+
 def _offload(key, value):
     """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f, "g": "cpu" | "gpu", "p": "cpu" | "auto" |
     "gpu"}, as an ``OffloadChoice`` (parameters "gpu" unless asked)."""
@@ -260,6 +274,8 @@ class LinsConfig:
     offload: OffloadChoice = _rule(OFFLOAD_AUTO, _offload,
                            "OS, G and P on the host: `\"auto\"` (the solver decides; never on CPUs), `false`, or "
                            "`{\"os\": \"cpu\", \"os_fraction\": f, \"g\": \"cpu\", \"p\": \"cpu\"}`", "`\"auto\"`")
+    tiling: object = _rule("auto", _tiling, "sequence tiling of the MLPs and of the logits + loss: `\"auto\"` (only "
+                           "where nothing fits untiled), `false`, or `{\"mlp\": 4, \"logits\": 8}`")
     host_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib),
                                             "host memory offload may pin per node (GiB)", "what is free")
     host_optimizer: str = _rule("auto", _one_of(("auto", "torch", "deepspeed")),
@@ -297,7 +313,7 @@ class LinsConfig:
         return Layout(f["p"], f["g"], f["os"])
 
 
-AUTO_ALLOWED = ("lins.offload", "lins.offload.g", "lins.offload.p", "lins.host_optimizer")
+AUTO_ALLOWED = ("lins.offload", "lins.offload.g", "lins.offload.p", "lins.host_optimizer", "lins.tiling")
 
 
 def _find_auto(obj, path="lins"):

@@ -32,7 +32,7 @@ from .errors import RelayoutError
 from .full_values import FullValues
 from .startup import init_replay
 from .startup.assign import assign_units, build_unit
-from .step import recompute, staging
+from .step import recompute, staging, tiling
 from .step.executor import Executor, Phase, Progress
 from .startup.materialize import Materializer, is_deferred
 from .step.masters import Masters
@@ -50,7 +50,8 @@ class RelayoutReport:
 def runs_differently(a: Plan, b: Plan) -> bool:
     """Whether two plans execute differently (not only in what they predict)."""
     def key(p):
-        return p.topology, p.layout, p.activation_checkpointing_units, p.placement, p.host_optimizer
+        return (p.topology, p.layout, p.activation_checkpointing_units, p.placement, p.host_optimizer, p.mlp_tiles,
+                p.logits_tiles)
     return key(a) != key(b)
 
 
@@ -95,12 +96,18 @@ class LinsRuntime(FullValues):
             # the units' parameters replaced the meta ones: a re-layout finds them by the new objects
             self._group_of = {s.param: s.group for u in self.units for s in u.slots}
         self._start = None
-        self._set_checkpointing(plan)
+        self._set_recompute(plan)
 
-    def _set_checkpointing(self, plan: Plan) -> None:
-        """The plan's activation checkpointing on the layer modules, where Lins decides it (``checkpointing``)."""
+    def _set_recompute(self, plan: Plan) -> None:
+        """What the plan recomputes in the backward: its activation checkpointing on the layer modules, where Lins
+        decides it (``checkpointing``), and its sequence tiling of the model's MLPs and logits (``step/tiling.py``;
+        taken off where the plan has none)."""
         if self._checkpointing is not None:
             recompute.apply(self.layer_modules(), plan.activation_checkpointing_units, keep_own=self._checkpointing)
+        if plan.mlp_tiles > 1 or plan.logits_tiles > 1:
+            tiling.apply_tiling(self.module, plan.mlp_tiles, plan.logits_tiles)
+        else:
+            tiling.remove_tiling(self.module)
 
     def _build(self, plan: Plan, mat: Optional[Materializer], device: Optional[torch.device]) -> None:
         """Groups first (every rank creates them, in one order), then the units (local: no collective)."""
@@ -199,7 +206,7 @@ class LinsRuntime(FullValues):
         collective): a plan that runs the same (only its predictions differ) replaces the old at once; under the
         same layout only the units whose OS, G or P change place move, one at a time; another layout is staged,
         rebuilt and filled (``step/staging.py``). Either way the plan's activation checkpointing is set on the modules
-        (``_set_checkpointing``), its host optimizer updates the units it keeps on the host, and the views of the plan
+        and its sequence tiling (``_set_recompute``), its host optimizer updates the units it keeps on the host, and the views of the plan
         shown to code outside (``show_through``: DeepSpeed's ZeRO-3 API) are set again. A failure on any rank is every
         rank's: each goes back to the running plan, its state intact, and raises ``RelayoutError``."""
         if self.plan is None:
@@ -267,7 +274,7 @@ class LinsRuntime(FullValues):
         """The same layout: units, groups and hooks stay; the units whose OS changes place move with their state (to
         the host first, then to the device, one unit at a time), their G and P with them."""
         self._place(plan)
-        self._set_checkpointing(plan)
+        self._set_recompute(plan)
         if self.masters is not None:
             self.host.place_updater(self._basic, plan.host_optimizer, [])  # its pinned copies go with the slices moved
             self.masters.place(self.units, self.host_units, self._os_tier())
@@ -280,7 +287,7 @@ class LinsRuntime(FullValues):
             self.masters.release()
         self._teardown()
         self._build(plan, None, self.device)
-        self._set_checkpointing(plan)
+        self._set_recompute(plan)
         if self._basic is not None:
             self._make_masters()
             staging.fill(self.units, self.masters, staged)

@@ -19,6 +19,7 @@ from ... import comm, dtypes
 from ...plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                      load_model)
 from ...plan.context import SolveContext, check_placement as _check_placement, compute_for, reserved_gb
+from ...plan import sequence
 from ...plan.offload import HostSpec, OffloadSpec, host_optimizer_of, ladder, rungs_from, walk
 from ...plan.solver import NoFeasiblePlan, _gib
 from ...plan import cost, report
@@ -26,7 +27,7 @@ from ...plan.layout import needs_unsorted_groups
 from ...plan.memory import ActivationProfile
 from ...plan.spec import ALIGN_BYTES
 from ...plan.model import from_hf_config, measured
-from ..step import host_optimizer, recompute
+from ..step import host_optimizer, recompute, tiling
 from .assign import assign_units, find_layers
 from ..config import LinsConfig, LinsConfigError
 from ..step.masters import steps_per_parameter
@@ -220,14 +221,16 @@ def offload_rungs(cfg: LinsConfig, host) -> list:
 
 
 def solve_context(facts: LaunchFacts, cfg: LinsConfig, ckpt=None, table: Optional[ProfileTable] = None,
-                  offload: Optional[OffloadSpec] = None, seq_len: int = 0) -> SolveContext:
+                  offload: Optional[OffloadSpec] = None, seq_len: int = 0, tiles: tuple = (1, 1)) -> SolveContext:
     """The solver's inputs for this launch's model, batch, dtypes, optimizer and device (``offload``: one rung of
-    ``offload_rungs``; ``seq_len``: the length to size for, else ``start_seq_len``'s)."""
+    ``offload_rungs``; ``seq_len``: the length to size for, else ``start_seq_len``'s; ``tiles``: one rung of
+    ``tiling_rungs``, (MLP tiles, logits tiles))."""
     module, topo = facts.module, facts.topology
     model = _model_spec(module, cfg)
     train = TrainingSpec(seq_len or start_seq_len(module, cfg)[0], facts.micro_batch, facts.grad_accum,
                          facts.param_dtype, dtypes.name_of(facts.accum_dtype), cfg.grad_reduce_dtype,
-                         activation_checkpointing=ckpt, optimizer_per_unit=steps_per_parameter(facts.optimizer))
+                         activation_checkpointing=ckpt, optimizer_per_unit=steps_per_parameter(facts.optimizer),
+                         mlp_tiles=tiles[0], logits_tiles=tiles[1])
     device = facts.device
     table = table or _timing_table(cfg, topo, model, train, device)
     acts, acts_note = activation_profile(module, cfg, train, device)
@@ -252,9 +255,10 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
             f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}")
 
 
-def solve_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int = 0) -> tuple:
+def solve_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int = 0, tiles: tuple = (1, 1)) -> tuple:
     """(plan, summary, context) of the fastest plan that fits."""
-    context = solve_context(facts, cfg, checkpoint_units(facts.module, cfg), offload=offload, seq_len=seq_len)
+    context = solve_context(facts, cfg, checkpoint_units(facts.module, cfg), offload=offload, seq_len=seq_len,
+                            tiles=tiles)
     return solved(context, cfg.seq_len is None)
 
 
@@ -274,7 +278,7 @@ def solved(context: SolveContext, inferred: bool) -> tuple:
     return sol.plan, summary, dataclasses.replace(context, solution=sol)
 
 
-def fixed_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int = 0) -> tuple:
+def fixed_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int = 0, tiles: tuple = (1, 1)) -> tuple:
     """(plan, summary, context or None) of the config's fixed layout, with the memory the planner predicts
     for it where the model's shape is known (lins.model or a Hugging Face config)."""
     topo = facts.topology
@@ -285,14 +289,15 @@ def fixed_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int =
     if k > n:
         raise LinsConfigError(f"lins.activation_checkpointing: {k} layer units, but the model has {n}")
     plan = Plan(topo, layout, k, facts.param_dtype, dtypes.name_of(facts.accum_dtype),
-                model=type(facts.module).__name__, profile_source="fixed in config", num_layers=n)
+                model=type(facts.module).__name__, profile_source="fixed in config", num_layers=n,
+                mlp_tiles=tiles[0], logits_tiles=tiles[1])
     summary = _fixed_summary(plan)
     spec = offload if offload is not None else OffloadSpec()
     if spec.mode == "fixed":
         check_placement(spec, layout, topo)
     try:  # predicted with a synthetic timing table: a fixed plan needs no measurement of collectives
         table = get_cluster(cfg.cluster).table(cost.required_meshes(topo, [layout]))
-        context = solve_context(facts, cfg, k, table, offload, seq_len)
+        context = solve_context(facts, cfg, k, table, offload, seq_len, tiles)
     except PlanError as e:  # a prediction never blocks a fixed plan; a fixed offload still applies
         if spec.mode == "fixed":
             # the least this offload asks for: its first placement (check_placement: the layout carries one)
@@ -337,19 +342,40 @@ class NoPlanFits(LinsConfigError):
     """No plan fits the GPU budget (with the offload the solver was offered)."""
 
 
+def tiling_rungs(cfg: LinsConfig, module: torch.nn.Module) -> list:
+    """lins.tiling's rungs (``plan.sequence.rungs``: "auto" offers tiling only where no plan fits untiled, and only
+    for a model ``runtime.step.tiling`` can tile; a fixed tiling is its one rung, refused for another model)."""
+    why = tiling.unsupported(module)
+    if isinstance(cfg.tiling, tuple) and cfg.tiling != (1, 1) and why:
+        raise LinsConfigError(f"lins.tiling: {cfg.tiling[0]} MLP and {cfg.tiling[1]} logits tiles, but "
+                              f"{why.removeprefix('lins: ')}")
+    return sequence.rungs(cfg.tiling, not why)
+
+
+def _tiling_note(plan: Plan, cfg: LinsConfig) -> str:
+    if plan.mlp_tiles == 1 and plan.logits_tiles == 1:
+        return ""
+    why = "lins.tiling" if isinstance(cfg.tiling, tuple) else "no plan fits untiled"
+    return (f"\n  sequence tiling: the MLPs in {plan.mlp_tiles} tile(s), the logits and loss in {plan.logits_tiles} "
+            f"({why})")
+
+
 def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
-    """(plan, summary, solve context or None): solved, or the fixed layout of the config, on the
-    first rung of lins.offload's ladder that fits (``offload_rungs``, walked by ``plan.offload.walk``: "auto" offers
-    offload only where no GPU-resident plan fits; a fixed offload is its one rung)."""
+    """(plan, summary, solve context or None): solved, or the fixed layout of the config, on the first rung of
+    lins.offload's ladder that fits (``offload_rungs``, walked by ``plan.offload.walk``: "auto" offers offload only
+    where no GPU-resident plan fits; a fixed offload is its one rung), on the first rung of lins.tiling's that has one
+    (``tiling_rungs``, walked by ``plan.sequence.walk``: untiled first)."""
     build = solve_plan if cfg.solve else fixed_plan
     host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype))
 
-    def attempt(spec: OffloadSpec) -> tuple:
-        plan, summary, context = build(facts, cfg, spec, seq_len=seq_len)
-        fits = cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb
-        return (plan, summary, context), fits
+    def tiled(mlp: int, logits: int) -> tuple:
+        def attempt(spec: OffloadSpec) -> tuple:
+            plan, summary, context = build(facts, cfg, spec, seq_len=seq_len, tiles=(mlp, logits))
+            fits = cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb
+            return (plan, summary + _tiling_note(plan, cfg), context), fits
+        return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
 
-    return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
+    return sequence.walk(tiling_rungs(cfg, facts.module), tiled, (NoPlanFits,))
 
 
 def start_plan(facts: LaunchFacts, cfg: LinsConfig) -> tuple:
@@ -408,12 +434,18 @@ def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, 
     inferred = cfg.seq_len is None
     host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), context.offload.host)
 
-    def attempt(spec: OffloadSpec) -> tuple:
-        ctx = dataclasses.replace(context, offload=spec)
-        out = solved(ctx, inferred) if cfg.solve else fixed_predicted(ctx, plan, _fixed_summary(plan))
-        return out, cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
+    def tiled(mlp: int, logits: int) -> tuple:
+        train = sequence.tiled(context.train, mlp, logits)
+        fixed = dataclasses.replace(plan, mlp_tiles=mlp, logits_tiles=logits)
 
-    return walk(rungs_from(offload_rungs(cfg, host), context.offload), attempt, (NoPlanFits,))
+        def attempt(spec: OffloadSpec) -> tuple:
+            ctx = dataclasses.replace(context, offload=spec, train=train)
+            out = solved(ctx, inferred) if cfg.solve else fixed_predicted(ctx, fixed, _fixed_summary(fixed))
+            return (out[0], out[1] + _tiling_note(out[0], cfg), out[2]), \
+                cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
+        return walk(rungs_from(offload_rungs(cfg, host), context.offload), attempt, (NoPlanFits,))
+
+    return sequence.walk(tiling_rungs(cfg, facts.module), tiled, (NoPlanFits,))
 
 
 def _fixed_summary(plan: Plan) -> str:

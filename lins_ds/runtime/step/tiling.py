@@ -380,6 +380,17 @@ def _with_loss(output, loss: torch.Tensor):
     return type(output)(loss=loss, **fields)
 
 
+def unsupported(model: nn.Module) -> str:
+    """Why ``apply_tiling`` would refuse to tile ``model``'s MLPs and logits ('' where it would not): what the planner
+    asks before it offers tiling (``lins.tiling``)."""
+    try:
+        _model_class(model)
+        _check_head(model)
+    except (TypeError, ImportError) as e:
+        return str(e)
+    return ""
+
+
 def apply_tiling(model: nn.Module, mlp_tiles: int, logits_tiles: int) -> Optional[Tiling]:
     """Tile ``model``'s MLPs over ``mlp_tiles`` sequence tiles and its logits and loss over ``logits_tiles`` (1: that
     part untouched), replacing an earlier tiling. Returns what it installed, None where both are 1 (nothing is).

@@ -1,0 +1,92 @@
+"""Sequence tiling as a planned dimension (issue 60, docs/design.md §8): ``lins.tiling`` fixed trains as untiled (the
+plan carries the tile counts and ``apply`` installs them), ``"auto"`` tiles nothing that fits untiled, and a model the
+tiling cannot take is refused on every rank, naming the key, before any collective."""
+
+import pytest
+import torch
+
+import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine)
+from helpers import GAS, batch, config, param_groups, run, tiny_gpt2, tiny_llama
+
+pytest.importorskip("transformers")
+
+OS_SHARDED = {"p": [1, 1], "g": [1, 1], "os": [2, 1]}
+
+
+def _losses(lins: dict, steps: int = 3) -> tuple:
+    import deepspeed
+
+    from lins_ds.runtime.step.tiling import tiling_of
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                      config=config({"host_optimizer": "torch", **lins}))
+    rank, losses = torch.distributed.get_rank(), []
+    for step in range(steps):
+        for micro in range(GAS):
+            x = batch(step, micro, rank, 96)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    plan, installed = engine.lins.plan, tiling_of(engine.module)
+    engine.destroy()
+    return losses, (plan.mlp_tiles, plan.logits_tiles), None if installed is None else (installed.mlp_tiles,
+                                                                                         installed.logits_tiles)
+
+
+def _tiled_and_not() -> tuple:
+    return (_losses({"plan": OS_SHARDED, "tiling": {"mlp": 2, "logits": 3}}), _losses({"plan": OS_SHARDED}),
+            _losses({"plan": "solve", "profile": "synthetic", "seq_len": 8}))
+
+
+def test_a_fixed_tiling_trains_as_untiled_and_auto_tiles_nothing_that_fits(tmp_path):
+    for tiled, plain, solved in run(_tiled_and_not, 2, gpus_per_node=2):
+        assert tiled[1] == (2, 3) and tiled[2] == (2, 3), tiled[1:]
+        assert plain[1] == (1, 1) and plain[2] is None and solved[1] == (1, 1) and solved[2] is None
+        assert max(abs(a - b) for a, b in zip(tiled[0], plain[0])) <= 1e-5, (tiled[0], plain[0])
+
+
+def _refused() -> str:
+    import deepspeed
+
+    model = tiny_gpt2()
+    try:
+        deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                             config=config({"plan": OS_SHARDED, "tiling": {"mlp": 2, "logits": 2}}))
+    except Exception as e:  # noqa: BLE001 - the type and message are asserted
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def test_a_model_the_tiling_cannot_take_is_refused_on_every_rank_naming_the_key():
+    for raised in run(_refused, 2, gpus_per_node=2):
+        assert raised.startswith("LinsConfigError: lins.tiling: 2 MLP and 2 logits tiles") and "GPT2LMHeadModel" in raised
+
+
+def test_the_memory_model_takes_the_tiled_tensors_out_and_the_step_pays_their_recompute():
+    from lins_ds.plan import load_model, sequence
+    from lins_ds.plan.memory import formula_activations, logits_bytes, mlp_bytes, tiled_activations
+    from lins_ds.plan.spec import TrainingSpec
+
+    model = load_model("llama-1b")
+    train = TrainingSpec(4096, 1)
+    acts = formula_activations(model, train)
+    tiled = tiled_activations(acts, model, sequence.tiled(train, 4, 8))
+    mlp, logits = mlp_bytes(model, train), logits_bytes(model, train)
+    assert tiled.layer_saved == pytest.approx(acts.layer_saved - mlp)
+    assert tiled.layer_transient == pytest.approx(acts.layer_transient - mlp * 3 / 4)
+    assert tiled.head_peak == pytest.approx(acts.head_peak - logits * 7 / 8)
+    assert tiled_activations(acts, model, train) is acts  # untiled: untouched
+    flops = sequence.extra_flops(model, sequence.tiled(train, 4, 8))
+    assert flops == pytest.approx(4096 * (model.num_layers * 2 * 3 * model.hidden * model.intermediate
+                                          + 2 * model.vocab * model.hidden))
+
+
+def test_auto_offers_the_ladder_only_to_a_model_it_can_tile():
+    from lins_ds.plan import sequence
+
+    assert sequence.rungs("auto", True) == list(sequence.LADDER) and sequence.LADDER[0] == (1, 1)
+    assert sequence.rungs("auto", False) == [(1, 1)] == sequence.rungs(False, True)
+    assert sequence.rungs((2, 4), True) == [(2, 4)]
