@@ -190,9 +190,11 @@ def _longest(plan_at, model, train, P, last_tiling: tuple):
         return L.Longest(seq, False)  # not monotone after all: say only the length
     except P.NoFeasiblePlan as e:
         smallest = e.smallest
-        short = max(smallest.memory.total_gb - e.capacity_gb, smallest.memory.host_gb - smallest.host_capacity_gb)
+        gpu = smallest.memory.total_gb - e.capacity_gb
+        host = smallest.memory.host_gb - smallest.host_capacity_gb
         tensors = L.activation_tensors(model, sequence.tiled(at(seq + L.ALIGN), *last_tiling), smallest.ckpt_units)
-        return L.Longest(seq, False, L.binding(smallest.memory.terms, tensors), short)
+        return L.Longest(seq, False, L.binding(smallest.memory.terms, tensors), max(gpu, host),
+                         "host" if host > gpu else "GPU")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -31,16 +31,18 @@ class Longest:
     capped: bool
     binding: tuple = ()  # ((name, GiB), ...): the tensors that grow with the sequence, largest first, then the rest
     short_gb: float = 0.0
+    short_of: str = "GPU"  # the memory that length lacks: "GPU", or "host" (the offloaded state's)
 
     def describe(self) -> str:
         if self.capped:
             return f"longest sequence: at least {self.seq_len} tokens per sequence (the search stops there)"
         what = ", ".join(f"{name} {gb:.2f} GiB" for name, gb in self.binding)
         return (f"longest sequence: {self.seq_len} tokens per sequence fit; {self.seq_len + ALIGN} lack "
-                f"{self.short_gb:.2f} GiB there: {what}")
+                f"{self.short_gb:.2f} GiB of {self.short_of} memory; on the GPU there: {what}")
 
     def to_json(self) -> dict:
         return {"seq_len": self.seq_len, "capped": self.capped, "short_gb": round(self.short_gb, 4),
+                "short_of": self.short_of,
                 "binding": [[name, round(gb, 4)] for name, gb in self.binding]}
 
 
