@@ -356,8 +356,12 @@ def _tiling_note(plan: Plan, cfg: LinsConfig) -> str:
     if plan.mlp_tiles == 1 and plan.logits_tiles == 1:
         return ""
     why = "lins.tiling" if isinstance(cfg.tiling, tuple) else "no plan fits untiled"
-    return (f"\n  sequence tiling: the MLPs in {plan.mlp_tiles} tile(s), the logits and loss in {plan.logits_tiles} "
+    note = (f"\n  sequence tiling: the MLPs in {plan.mlp_tiles} tile(s), the logits and loss in {plan.logits_tiles} "
             f"({why})")
+    if plan.logits_tiles > 1:  # the tiled loss never makes the logits whole: a script that reads them must say so
+        note += ("; a training forward with labels returns the loss and empty logits: where the script reads "
+                 "outputs.logits, set lins.tiling to {\"mlp\": n} or false")
+    return note
 
 
 def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
