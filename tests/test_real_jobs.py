@@ -72,9 +72,18 @@ def test_a_hub_config_trains_at_the_length_of_its_batches():
 
 
 def test_a_batch_no_plan_fits_fails_on_every_rank_naming_the_key():
-    msgs = [m for m, _ in run(train_lengths, 2, {**BUDGET, "gpu_memory_gb": 0.006}, [8, 1024], gpus_per_node=2)]
+    lins = {**BUDGET, "gpu_memory_gb": 0.006, "tiling": False}
+    msgs = [m for m, _ in run(train_lengths, 2, lins, [8, 1024], gpus_per_node=2)]
     for m in msgs:
         assert "no plan fits in 0.006 GiB" in m and "sequence length 1024" in m and "lins.seq_len" in m, m
+
+
+def test_a_batch_that_fits_only_tiled_trains_tiled():
+    """The same batch with lins.tiling "auto" (the default): the re-size for its length tiles the logits (and the
+    MLPs) where no plan fits untiled, moves onto that plan in memory, and trains on."""
+    for seen, weights in run(train_lengths, 2, {**BUDGET, "gpu_memory_gb": 0.006}, [8, 1024], gpus_per_node=2):
+        assert isinstance(seen, list) and seen[-1][0] == 1024, seen
+        assert all(torch.isfinite(w).all() for w in weights.values())
 
 
 def test_seq_len_in_the_config_is_kept():
