@@ -155,12 +155,9 @@ def _tiling_choice(text: str):
     """--tiling as lins.tiling: "auto", False ("off"), or (MLP tiles, logits tiles) from "M,L"."""
     if text in ("auto", "off"):
         return "auto" if text == "auto" else False
-    try:
-        mlp, logits = (int(x) for x in text.split(","))
-        if mlp >= 1 and logits >= 1:
-            return (mlp, logits)
-    except ValueError:
-        pass
+    parts = [x.strip() for x in text.split(",")]
+    if len(parts) == 2 and all(x.isdigit() and int(x) >= 1 for x in parts):
+        return (int(parts[0]), int(parts[1]))
     raise SystemExit(f"lins-ds plan: --tiling {text!r} is not auto, off or MLP,LOGITS (two positive tile counts)")
 
 

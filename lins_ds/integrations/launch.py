@@ -112,12 +112,12 @@ def build_runtime(engine, plan: Plan, param_groups: list, check_collectives: boo
     through it: after this and every later ``apply``."""
     cfg = engine.lins_config
     _, accum, reduce = _dtypes(engine)
-    own = cfg.activation_checkpointing is None  # Lins decides checkpointing where it solves or the config sets it
-    runtime = LinsRuntime(engine.module, plan, param_groups, accum, reduce, cfg.unit_modules, cfg.overlap_param_sync,
-                          device=torch.device(engine.device), check_collectives=check_collectives,
-                          ends_window=engine._reduces_this_backward, init=cfg.init, forward_only=forward_only,
-                          checkpointing=None if forward_only or not (cfg.solve or not own) else own)
-    return runtime
+    own = cfg.activation_checkpointing is None  # a count the model set itself keeps the model's units
+    decides = not forward_only and (cfg.solve or not own)  # Lins decides where it solves or the config sets it
+    return LinsRuntime(engine.module, plan, param_groups, accum, reduce, cfg.unit_modules, cfg.overlap_param_sync,
+                       device=torch.device(engine.device), check_collectives=check_collectives,
+                       ends_window=engine._reduces_this_backward, init=cfg.init, forward_only=forward_only,
+                       checkpointing=own if decides else None)
 
 
 def show_zero_view(engine) -> None:

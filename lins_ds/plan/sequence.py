@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .model import ModelSpec
+from .offload import walk as offload_walk
 from .spec import TrainingSpec
 
 # (mlp_tiles, logits_tiles), tried in this order where nothing fits untiled: the logits first (the largest tensor of
@@ -42,14 +43,8 @@ def rungs(choice, supported: bool) -> list:
 
 def walk(tilings: list, attempt: Callable, errors: tuple):
     """``attempt(mlp_tiles, logits_tiles)`` for each tiling in order until one returns without one of ``errors``; the
-    last rung's error where none does."""
-    for i, (mlp, logits) in enumerate(tilings):
-        try:
-            return attempt(mlp, logits)
-        except errors:
-            if i == len(tilings) - 1:
-                raise
-    raise ValueError("plan.sequence.walk: no tiling to try")
+    last rung's error where none does (``plan.offload.walk``, the one ladder driver)."""
+    return offload_walk([lambda t=t: t for t in tilings], lambda t: (attempt(*t), True), errors)
 
 
 def extra_flops(model: ModelSpec, train: TrainingSpec) -> float:
