@@ -4,7 +4,9 @@
 # $OUT/log.txt and the decisions cached in $OUT/cache, then one archive of them all.
 #  LLaMA h3072 x 24 (2.92 B), seq 4096, micro-batch 2, gas 2, bf16, AdamW, clip 1; the solver picks activation
 #  checkpointing (no --checkpointing: Lins decides the depth) and, where no GPU-resident plan fits, offload.
-#  tune40   "gpu_memory_gb": 40 (GPU-resident needs ~53: offload and checkpointing traded), 4 candidates x 4 steps
+#  tune40   "gpu_memory_gb": 40 (GPU-resident needs ~53: offload and checkpointing traded), 4 candidates x 4 steps,
+#           more until timed to +-3 % (lins.tune's max_steps, 12 each): up to 48 steps of trials, so 60 steps a run
+#           (20 before the trials became adaptive ended inside the trials, and nothing was cached for again40)
 #  again40  the same job again: the cached decision, no trials (the winner's step, untuned)
 #  tune60   "gpu_memory_gb": 60 (checkpointing depth and a little offload traded), 4 candidates x 4 steps
 #  again60  the same job again
@@ -26,9 +28,9 @@ B3=(--model bench/models/llama-2.9b.json --seq-len 4096 --micro-batch-size 2 --g
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tune40 again40 tune60 again60)
 for part in "${parts[@]}"; do
   case $part in
-  tune40) run tune40 330 "${B3[@]}" --lins-memory-gb 40 --steps 20 --warmup-steps 16 ;;
+  tune40) run tune40 330 "${B3[@]}" --lins-memory-gb 40 --steps 60 --warmup-steps 54 ;;
   again40) run again40 200 "${B3[@]}" --lins-memory-gb 40 --steps 8 --warmup-steps 3 ;;
-  tune60) run tune60 330 "${B3[@]}" --lins-memory-gb 60 --steps 20 --warmup-steps 16 ;;
+  tune60) run tune60 330 "${B3[@]}" --lins-memory-gb 60 --steps 60 --warmup-steps 54 ;;
   again60) run again60 200 "${B3[@]}" --lins-memory-gb 60 --steps 8 --warmup-steps 3 ;;
   esac
 done
