@@ -339,7 +339,7 @@ def offload_summary(engine, steps: int):
     if stats is None:
         return None
     return {"host_gb": rt.host_gb(), "predicted_host_gb": rt.plan.host_gb,
-            **rt.plan.placement.legacy_json(), "units": len(rt.units),
+            **rt.plan.placement.legacy_json(), "units": len(rt.unit_sizes()),
             "host_optimizer": stats["host_optimizer"], "worker_s_last_step": stats["worker_s"],
             "waited_s_per_step": stats["updates_waited_s"] / max(1, steps),
             "grads_waited_s_per_step": stats["grads_waited_s"] / max(1, steps)}

@@ -428,10 +428,10 @@ def destroy_mid_training():
                                                     optimizer={"type": "AdamW",
                                                                "params": {"lr": 1e-3, "torch_adam": True}}))
     train(engine, steps=1)  # ends with the P-sync AllGathers in flight
-    in_flight = sum(u.param_state is ParamState.SYNCING for u in engine.lins.units)
+    in_flight = sum(u.param_state is ParamState.SYNCING for u in engine.lins._units)
     engine.destroy()
     engine.destroy()  # idempotent, as DeepSpeed's __del__ calls it again
-    waited = not any(u.param_state is ParamState.SYNCING for u in engine.lins.units)
+    waited = not any(u.param_state is ParamState.SYNCING for u in engine.lins._units)
     try:
         train(engine, steps=1)
     except RuntimeError as e:
@@ -455,10 +455,10 @@ def variant_runs(ref, lins_extra: dict, plans):
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
                                           config=config({"plan": plan, **lins_extra}))
         syncing = []
-        states = train(engine, after_step=lambda e: (syncing.append(any(u.param_state is ParamState.SYNCING for u in e.lins.units)),
+        states = train(engine, after_step=lambda e: (syncing.append(any(u.param_state is ParamState.SYNCING for u in e.lins._units)),
                                                      state(e))[1])
         out.append((str(plan), max(max_err(s, r) for s, r in zip(states, ref)), syncing,
-                    [u.name for u in engine.lins.units]))
+                    [u.name for u in engine.lins._units]))
         engine.destroy()
     return out
 
@@ -496,7 +496,7 @@ def wrong_transitions():
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
                                       config=config({"plan": ALL_SHARDED}))
-    unit = engine.lins.units[1]
+    unit = engine.lins._units[1]
     refused = []
     for transition in (unit.finish_reduce, unit.finish_replica_reduce):
         try:
@@ -504,7 +504,7 @@ def wrong_transitions():
         except UnitStateError as e:
             refused.append(str(e))
     train(engine, steps=1)  # the machine still drives a normal step
-    states = {u.grad_state for u in engine.lins.units}
+    states = {u.grad_state for u in engine.lins._units}
     engine.destroy()
     return refused, states == {GradState.ACCUMULATING}
 

@@ -30,7 +30,7 @@ engine, *_ = deepspeed.initialize(model=model, config=cfg)
 engine.backward(engine(torch.randn(2, 16)).sum())
 engine.step()
 lins_run_probe.engine = engine  # kept alive past the script, as a script's globals would be
-lins_run_probe.in_flight = sum(u.param_state is SYNCING for u in engine.lins.units)
+lins_run_probe.in_flight = sum(u.param_state is SYNCING for u in engine.lins._units)
 '''
 
 
@@ -62,8 +62,8 @@ def lins_run_cases(tmp: str) -> dict:
     if out["lins"][0] is not None:
         return out  # the script failed: its own error is the result, not what it did not leave behind
     out["in_flight"] = probe.in_flight
-    out["engine_destroyed"] = probe.engine.lins.groups.destroyed
-    out["engine_waited"] = not any(u.param_state is SYNCING for u in probe.engine.lins.units)
+    out["engine_destroyed"] = probe.engine.lins.destroyed
+    out["engine_waited"] = not any(u.param_state is SYNCING for u in probe.engine.lins._units)
     reinit(tmp, "again")
     allreduce = "import torch, torch.distributed as d\nd.all_reduce(torch.ones(1))\n"
     out["exit0"] = run_script(tmp, allreduce + "raise SystemExit(0)\n")

@@ -282,9 +282,17 @@ def test_only_the_named_modules_issue_collectives():
 
 # What a plan holds belongs to LinsRuntime (docs/design.md §4): a unit's buffers and groups, the master slices, the host
 # side of offload, the executor and its progress. Outside runtime/step/ (the machinery itself) and runtime/runtime.py
-# (its owner) no module reads these attributes of another object; it asks the runtime.
-RUNTIME_OWNED = {"units", "slices", "update_batches", "masters", "host", "updater", "host_grads", "host_params",
-                 "p_shard", "g_acc", "full", "spec", "groups", "progress", "_executor", "_slot_of", "_lins_solve"}
+# (its owner) no module reads these attributes of another object; it asks the runtime. The runtime keeps its own
+# private (RUNTIME_PRIVATE, held by test_the_runtime_keeps_its_state_private), a unit its transitions' state
+# (``_param_state``, ...: read-only properties); the former public names stay listed, so that none comes back as a
+# reach-in. ``unit``: a master slice's ``OSRange`` knows its unit; only the step machinery follows it.
+RUNTIME_PRIVATE = {"_units", "_host_units", "_masters", "_groups", "_progress", "_host", "_reads_pending",
+                   "_os_replicas", "_plan", "_topo", "_layout", "_device", "_is_checkpoint_writer", "_forward_only",
+                   "_module", "_overlap_param_sync", "_outside", "_basic", "_executor", "_slot_of"}
+RUNTIME_OWNED = {"units", "unit", "host_units", "slices", "update_batches", "masters", "host", "updater", "host_grads",
+                 "host_params", "p_shard", "g_acc", "full", "spec", "groups", "progress", "reads_pending",
+                 "os_replicas", "_lins_solve", "_status", "_param_state", "_grad_state", "_held", "_host_grads",
+                 "_host_params"} | RUNTIME_PRIVATE
 REACH_IN_ALLOWED = {  # (module, attribute): why
     ("runtime.startup.materialize", "spec"): "a Unit hands itself to the materializer while it is built",
     ("runtime.startup.materialize", "full"): "the same: the unit's buffer it fills",
@@ -293,7 +301,6 @@ REACH_IN_ALLOWED = {  # (module, attribute): why
     ("runtime.switch.tune", "host"): "the same: the candidates' host optimizer is the OffloadSpec's",
     ("integrations.optimizer", "full"): "torch.full (a tensor), not a unit's buffer",
     ("integrations.sharded_init", "full"): "its own replay records' values",
-    ("integrations.zero_api", "units"): "ZeRO-3's per-parameter API on each unit's parameters (ds_id, ds_status)",
 }
 
 
@@ -311,6 +318,42 @@ def test_nothing_outside_the_runtime_reads_what_a_plan_holds():
     assert not bad, "reach-ins into what LinsRuntime owns:\n" + "\n".join(bad)
     unused = set(REACH_IN_ALLOWED) - {(m, attr) for m, attr, _ in found}
     assert not unused, f"allowed reach-ins no module makes any more (drop them): {sorted(unused)}"
+
+
+def _self_attributes_assigned(cls: ast.ClassDef) -> set:
+    """The names ``self.<name> = ...`` (plain, annotated, augmented, or one of a tuple) assigns in ``cls``'s methods."""
+    out = set()
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for t in targets:
+            for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
+                    out.add(el.attr)
+    return out
+
+
+def test_the_runtime_keeps_its_state_private():
+    """LinsRuntime (and its mixin FullValues) assigns only private attributes (issue 62, "real encapsulation"):
+    what others read of it is a read-only property (``plan``, ``topo``, ``layout``, ``device``, ...) or a verb, and
+    none hands out a unit: ``zero_api`` asks ``zero3_params`` and ``show_zero3_status``. RUNTIME_PRIVATE names what
+    it holds."""
+    assigned = set()
+    for name, cls_name in (("runtime.py", "LinsRuntime"), ("full_values.py", "FullValues")):
+        tree = ast.parse(open(os.path.join(PKG, "runtime", name)).read())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+        assigned |= _self_attributes_assigned(cls)
+    public = sorted(a for a in assigned if not a.startswith("_"))
+    assert not public, f"public attributes of LinsRuntime (private, and a property where others read them): {public}"
+    gone = RUNTIME_PRIVATE - assigned
+    assert not gone, f"RUNTIME_PRIVATE names what LinsRuntime holds no more: {gone}"
+    from lins_ds.runtime.runtime import LinsRuntime
+
+    assert not hasattr(LinsRuntime, "units") and not hasattr(LinsRuntime, "host_units")
 
 
 def test_one_offload_policy_site():

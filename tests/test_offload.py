@@ -55,16 +55,16 @@ def expected_param_units(offload) -> int:
 def offload_facts(engine) -> dict:
     """What an engine says of its offload (picklable)."""
     opt, rt = engine.optimizer, engine.lins
-    host_units = list(rt.host_units)
-    return {"units": len(rt.units), "offload_units": rt.plan.placement.n_units, "host_units": len(host_units),
-            "host_units_are_last": host_units == rt.units[len(rt.units) - len(host_units):],
-            "has_host": rt.host.updater is not None,
-            "host_updater_units": len(rt.host.updater.units()) if rt.host.updater is not None else 0,
+    host_units = list(rt._host_units)
+    return {"units": len(rt._units), "offload_units": rt.plan.placement.n_units, "host_units": len(host_units),
+            "host_units_are_last": host_units == rt._units[len(rt._units) - len(host_units):],
+            "has_host": rt._host.updater is not None,
+            "host_updater_units": len(rt._host.updater.units()) if rt._host.updater is not None else 0,
             "on_host_slices_in_host_units": all((s.range.unit in host_units) == s.on_host for s in rt.master_slices()),
-            "host_grad_units": len(rt.host.grads.units()) if rt.host.grads is not None else 0,
-            "host_param_units": [rt.units.index(u) for u in rt.units if u.host_params is not None],
-            "host_grad_units_are_host_units": all((u.host_grads is not None) == (u in host_units) for u in rt.units)
-            if rt.host.grads is not None else all(u.host_grads is None for u in rt.units),
+            "host_grad_units": len(rt._host.grads.units()) if rt._host.grads is not None else 0,
+            "host_param_units": [rt._units.index(u) for u in rt._units if u.host_params is not None],
+            "host_grad_units_are_host_units": all((u.host_grads is not None) == (u in host_units) for u in rt._units)
+            if rt._host.grads is not None else all(u.host_grads is None for u in rt._units),
             "host_gb": rt.host_gb(), "client_optimizer": type(opt.optimizer).__name__}
 
 
@@ -166,7 +166,7 @@ def slow_gradient_sums(gas):
                 engine.backward(engine(input_ids=x, labels=x).loss)
                 engine.step()
             states.append(state(engine))
-        out.append((states, engine.lins.host.grads is not None))
+        out.append((states, engine.lins._host.grads is not None))
         engine.destroy()
     return out
 
@@ -311,7 +311,7 @@ def save_and_resume(ckpt_on, ckpt_off):
                                       ("offload -> half, other plan", ckpt_on, OS_SHARDED, HALF)):
         engine = make_engine(plan, offload)
         engine.load_checkpoint(ckpt)
-        facts.append((name, offload, engine.lins.plan.placement.n_units, engine.lins.host.updater is not None,
+        facts.append((name, offload, engine.lins.plan.placement.n_units, engine.lins._host.updater is not None,
                       engine.global_steps))
         resumed[name] = ckpt_steps(engine, K, K)
         engine.destroy()

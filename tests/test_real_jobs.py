@@ -335,9 +335,9 @@ def parameter_count(lins, slow):
     x = tokens(0, 0, torch.distributed.get_rank(), 8)
     engine.backward(engine(input_ids=x, labels=x).loss)
     engine.step()
-    pending = engine.lins.reads_pending
+    pending = engine.lins._reads_pending
     got = engine.module.num_parameters(), engine.module.num_parameters(exclude_embeddings=True)
-    still = engine.lins.reads_pending
+    still = engine.lins._reads_pending
     engine.destroy()
     return want, got, pending, still
 

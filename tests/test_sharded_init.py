@@ -50,9 +50,9 @@ def initial_state(plan, gpus_per_node):
         model = transformers.LlamaForCausalLM(llama_config())
     before = (sum(p.is_meta for p in model.parameters()), len(list(model.parameters())))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    shard_elements = sum(u.p_storage.numel() for u in engine.lins.units) if engine.lins.layout.p.size > 1 else None
-    held = held_elements(engine.module) + sum(u.p_shard.numel() for u in engine.lins.units if u.p_shard is not None)
-    max_unit = max(u.spec.padded for u in engine.lins.units)
+    shard_elements = sum(u.p_storage.numel() for u in engine.lins._units) if engine.lins.layout.p.size > 1 else None
+    held = held_elements(engine.module) + sum(u.p_shard.numel() for u in engine.lins._units if u.p_shard is not None)
+    max_unit = max(u.spec.padded for u in engine.lins._units)
     state = {k: v.clone() for k, v in engine.module.state_dict().items()}
     x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     loss = engine(input_ids=x, labels=x).loss

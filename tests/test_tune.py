@@ -94,9 +94,9 @@ def relayout_pairs(tmp: str):
         rep = engine.relayout(plans[name])
         after = _full_state(engine, f"{tmp}/{i + 1}")
         exact = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-        grads_ok = (engine.lins.host.grads is not None) == plans[name].placement.offloads("g")
+        grads_ok = (engine.lins._host.grads is not None) == plans[name].placement.offloads("g")
         checks.append((name, exact, engine.lins.layout == plans[name].layout,
-                       len(engine.lins.host_units) == plans[name].placement.n_units and grads_ok, rep.seconds >= 0))
+                       len(engine.lins._host_units) == plans[name].placement.n_units and grads_ok, rep.seconds >= 0))
         before = after
     losses += _steps(engine, 2, 2)
     engine.destroy()
@@ -139,7 +139,7 @@ def failed_moves(tmp: str):
             raised = str(e)
         after = _full_state(engine, f"{tmp}/{len(out)}b")
         same = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-        out.append((raised, same, engine.lins.plan == base, len(engine.lins.host_units)))
+        out.append((raised, same, engine.lins.plan == base, len(engine.lins._host_units)))
     losses = _steps(engine, 1, 2)
     engine.destroy()
     return out, losses

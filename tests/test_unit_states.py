@@ -157,10 +157,10 @@ def drive(rows):
         model = tiny_llama()
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
                                           config=config(lins))
-        unit, host = engine.lins.units[1], FakeHost()  # the first layer
+        unit, host = engine.lins._units[1], FakeHost()  # the first layer
         assert facts == (unit.sharded_p, unit.host_params is not None, unit.groups.size("p_sync"),
                          unit.groups.size("g_replica"), unit.sharded_g, unit.in_place), name
-        staging = torch.zeros(unit.spec.padded, dtype=unit.reduce_dtype, device=unit.device)
+        staging = torch.zeros(unit.spec.padded, dtype=unit._reduce_dtype, device=unit.device)
         for kind, pl, start, op, _ in rows:
             if pl != name:
                 continue

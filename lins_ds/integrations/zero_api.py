@@ -3,8 +3,9 @@
 Code written for DeepSpeed asks a parameter for more than its ``.data``: ``deepspeed.utils.safe_get_full_*`` (and
 ``safe_set_full_*``) assemble the fp32 master, an optimizer state or the gradient of a parameter whose optimizer state
 is partitioned (ZeRO-1/2's fragment mapping, ``_hp_mapping``), and ``deepspeed.zero.GatheredParameters`` gathers a
-partitioned parameter (ZeRO-3's ``ds_id``, ``all_gather``, ``partition``). Lins answers both from its units and
-master slices, so that such code — DeepSpeed's helpers, transformers, TRL, PEFT, user scripts — works unchanged:
+partitioned parameter (ZeRO-3's ``ds_id``, ``all_gather``, ``partition``). Lins answers both through its runtime's
+verbs (``zero3_params``, ``show_zero3_status``, ``hold_params``, ``full_value``, ...; no unit is driven from here), so
+that such code — DeepSpeed's helpers, transformers, TRL, PEFT, user scripts — works unchanged:
 
 - every trainable parameter carries the fragment mapping. Full values are assembled by one world AllReduce to which
   the first OS replica of each chunk contributes (exact, and a collective: every rank calls it, as under ZeRO); the
@@ -69,25 +70,22 @@ def attach(engine) -> None:
             del m._is_fsdp_managed_module
     for m in engine.modules():
         _OWNERS[m] = weakref.ref(rt)
-    mapping, z3, ds_id = Mapping(engine), Zero3Optimizer(engine), 0
-    for unit in rt.units:
-        for slot in unit.slots:
-            p = slot.param
-            p._hp_mapping = mapping  # GatheredParameters' methods find the engine here (forward-only ones too)
-            if engine.optimizer is not None:
-                for name, fn in (("get_full_hp_param", _get_full_hp_param), ("set_full_hp_param", _set_full_hp_param),
-                                 ("get_full_hp_grad", _get_full_hp_grad), ("set_full_hp_grad", _set_full_hp_grad)):
-                    setattr(p, name, types.MethodType(fn, p))
-            # ZeRO-3's API on every plan, not only where the unit releases its parameters: GatheredParameters then
-            # means one thing whatever the solver picked (reads wait for the unit's update, a modifier_rank's write
-            # is broadcast and kept in the masters); a unit that keeps its parameters is always available
-            p.ds_id, p.ds_shape, p.ds_numel = ds_id, slot.shape, slot.numel
-            unit.status = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE) if unit.releases else None
-            p.ds_status = ZeroParamStatus.NOT_AVAILABLE if unit.releases and p.numel() == 0 else ZeroParamStatus.AVAILABLE
-            p.ds_process_group = dist.get_world_group()
-            p.all_gather, p.partition = types.MethodType(_all_gather, p), types.MethodType(_partition, p)
-            p._z3_optimizer = z3
-            ds_id += 1
+    mapping, z3 = Mapping(engine), Zero3Optimizer(engine)
+    # ZeRO-3's API on every plan, not only where the unit releases its parameters: GatheredParameters then means one
+    # thing whatever the solver picked (reads wait for the unit's update, a modifier_rank's write is broadcast and kept
+    # in the masters); a parameter its unit keeps is always available
+    rt.show_zero3_status(ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE)
+    for ds_id, (p, shape, numel, released) in enumerate(rt.zero3_params()):
+        p._hp_mapping = mapping  # GatheredParameters' methods find the engine here (forward-only ones too)
+        if engine.optimizer is not None:
+            for name, fn in (("get_full_hp_param", _get_full_hp_param), ("set_full_hp_param", _set_full_hp_param),
+                             ("get_full_hp_grad", _get_full_hp_grad), ("set_full_hp_grad", _set_full_hp_grad)):
+                setattr(p, name, types.MethodType(fn, p))
+        p.ds_id, p.ds_shape, p.ds_numel = ds_id, shape, numel
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE if released and p.numel() == 0 else ZeroParamStatus.AVAILABLE
+        p.ds_process_group = dist.get_world_group()
+        p.all_gather, p.partition = types.MethodType(_all_gather, p), types.MethodType(_partition, p)
+        p._z3_optimizer = z3
 
 
 def detach(engine) -> None:
@@ -171,7 +169,7 @@ class Zero3Optimizer:
 def _all_gather(self, param_list=None, async_op=False, hierarchy=None):
     """ZeRO-3's ``param.all_gather``: the units of ``param_list`` gathered and held (every rank, the same list)."""
     params = param_list if param_list is not None else [self]
-    self._hp_mapping.engine.lins.hold_params(params)  # ds_status follows the units (Unit._show_params)
+    self._hp_mapping.engine.lins.hold_params(params)  # ds_status follows (LinsRuntime.show_zero3_status)
     return None
 
 

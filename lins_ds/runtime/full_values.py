@@ -1,7 +1,9 @@
 """Whole values of one parameter, whatever the plan (docs/design.md §4, "What user code sees"): the verbs DeepSpeed's
 helpers reach through ``integrations/zero_api.py`` — ``safe_get_full_fp32_param`` / ``_optimizer_state`` / ``_grad``,
-their ``safe_set_full_*``, and ``GatheredParameters``' write-back. A mixin of ``LinsRuntime``: the units, slots and master
-slices they read stay inside the runtime, and ``zero_api`` asks for a value or hands one in."""
+their ``safe_set_full_*``, and ``GatheredParameters``' write-back. A mixin of ``LinsRuntime``: the units and master
+slices stay inside the runtime, and ``zero_api`` asks for a value or hands one in. These verbs touch no unit either:
+they find a parameter's place through the runtime's own (``_slot``, ``_master_slices_of``, ``_grad_range_of``,
+``_write_param``, ``_write_grad``)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ class FullValues:
         """The fp32 master of ``param`` (``key`` None) or its element-wise optimizer state ``key``, whole, on every
         rank: each rank of one OS replica adds the elements it holds, so the world's sum is exact."""
         self.join_host()  # masters on the host are being written by the last step's update
-        slot, slices = self._master_slices_of(param)
+        slot, slices = self._slot(param), self._master_slices_of(param)
         buf = torch.zeros(slot.numel + 1, dtype=torch.float32, device=self.device)
         if self.is_checkpoint_writer:
             for sl in slices:
@@ -41,13 +43,11 @@ class FullValues:
         this rank holds, and, for the master, into the parameter this rank holds; no collective. Without an optimizer
         (a forward-only engine) the parameter is all there is."""
         if self._basic is None:
-            unit, slot = self._slot_of[param]
-            unit.write_param(slot, value.detach().reshape(-1))
+            self._write_param(param, value.detach().reshape(-1))
             return
         self.join_host()
         self.params_current()
-        unit, slot = self._slot_of[param]
-        _, slices = self._master_slices_of(param)
+        slot, slices = self._slot(param), self._master_slices_of(param)
         flat = value.detach().reshape(-1)
         with torch.no_grad():
             for sl in slices:
@@ -58,7 +58,7 @@ class FullValues:
                     if name == slot.name:
                         dst[s:e].copy_(flat[a:b])
             if key is None:
-                unit.write_param(slot, flat)
+                self._write_param(param, flat)
 
     def full_grad(self, param, loss_scale: float) -> torch.Tensor:
         """``param``'s gradient for the window just ended, averaged over the ranks and unscaled (``loss_scale``),
@@ -66,9 +66,9 @@ class FullValues:
         self._require_window()
         self.finish_gradients()  # every replica AllReduce done (the step's own call then finds nothing to do)
         self.host_grads_final()  # G on the host: every push of the window added in
-        unit, slot = self._slot_of[param]
+        slot = self._slot(param)
         buf = torch.zeros(slot.numel, dtype=torch.float32, device=self.device)
-        r = unit.os_range(slot.group)
+        r = self._grad_range_of(param)
         if self.is_checkpoint_writer and r is not None:
             grads = r.grads()
             for name, (a, b), (s, e) in r.by_parameter():
@@ -83,14 +83,8 @@ class FullValues:
         self._require_window()
         self.finish_gradients()
         self.host_grads_final()
-        unit, slot = self._slot_of[param]
-        unit.write_grad(slot, value.detach().reshape(-1).float() * (self.topo.world_size * loss_scale))
+        self._write_grad(param, value.detach().reshape(-1).float() * (self.topo.world_size * loss_scale))
         self.host_grads_written()
-
-    def _master_slices_of(self, param) -> tuple:
-        """(slot, the master slices of its unit) for trainable ``param``."""
-        unit, slot = self._slot_of[param]
-        return slot, self.masters.of_unit(unit) if self.masters is not None else []
 
     def _require_window(self) -> None:
         if not self.window_done():

@@ -135,7 +135,7 @@ class Unit:
                  accum_dtype: torch.dtype, reduce_dtype: torch.dtype, modules: Optional[list] = None,
                  materializer=None, device: Optional[torch.device] = None, is_root: bool = False):
         self.name, self.slots, self.spec, self.modules, self.is_root = name, slots, spec, modules or [], is_root
-        self.groups, self.reduce_dtype = groups, reduce_dtype
+        self.groups, self._reduce_dtype = groups, reduce_dtype
         self.sharded_p, self.sharded_g = layout.p.size > 1, layout.g.size > 1
         dtypes, devices = {s.param.dtype for s in slots}, {s.param.device for s in slots}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -171,9 +171,8 @@ class Unit:
         # s_g == 1 and gradients accumulate in the parameter dtype: each .grad is a view into the accumulator, so
         # autograd accumulates in place and nothing is copied (DDP's gradient_as_bucket_view)
         self.accum_dtype, self._g_acc, self._grad_views = accum_dtype, None, None
-        self.host_grads = None  # this unit's HostGradSlot (its host G accumulator), where the plan puts G on the host
-        self.host_params = None  # the HostParams uploading this unit's P chunk (held in p_shard, on the host)
-        self.param_state, self.grad_state = ParamState.GATHERED, GradState.ACCUMULATING
+        self._host_grads = self._host_params = None  # where the plan puts G or P on the host (``host_grads``)
+        self._param_state, self._grad_state = ParamState.GATHERED, GradState.ACCUMULATING
         self._pending: set = set()  # parameters whose gradient arrived in this backward, or will get none
         self._no_grad: set = set()  # parameters this backward does not reach (counted in _pending)
         self._gather_work = self._sync_work = self._replica_work = None
@@ -181,9 +180,9 @@ class Unit:
         self._reduce = None  # (work, output) of an in-flight ReduceScatter
         self._replica_tmp = None  # the reduce-dtype copy an in-flight replica AllReduce works on
         self._grads_attached = False
-        self.held = 0  # holds on the gathered parameters (``hold``): a release waits for none left
+        self._held = 0  # holds on the gathered parameters (``hold``): a release waits for none left
         self._holds: list = []  # per hold: whether the unit was already gathered for use when it came
-        self.status = None  # (available, not available): what ``ds_status`` says as the parameters show (zero_api)
+        self._status = None  # (available, not available): what ``ds_status`` says as the parameters show
         self.release()
 
     def _expect(self, state, allowed: tuple, transition: str) -> None:
@@ -191,11 +190,41 @@ class Unit:
             raise UnitStateError(f"lins: unit {self.name}: {transition} from {state.value}, expected "
                                  f"{' or '.join(a.value for a in allowed)}")
 
+    # --- what only the unit's transitions change: read-only outside it ---------------------------------------------
+    @property
+    def param_state(self) -> ParamState:
+        return self._param_state
+
+    @property
+    def grad_state(self) -> GradState:
+        return self._grad_state
+
+    @property
+    def held(self) -> int:
+        """Holds on the gathered parameters (``hold``) not yet undone."""
+        return self._held
+
+    @property
+    def host_grads(self):
+        """This unit's HostGradSlot (its host G accumulator), where the plan puts G on the host; else None."""
+        return self._host_grads
+
+    @property
+    def host_params(self):
+        """The HostParams uploading this unit's P chunk (held in ``p_shard``, on the host), where the plan puts P
+        there; else None."""
+        return self._host_params
+
+    def show_status(self, status: Optional[tuple]) -> None:
+        """What ``ds_status`` says of the parameters from now on, (while gathered, while released), as they show
+        (``_show_params``); None: nothing (DeepSpeed's ZeRO-3 view, ``LinsRuntime.show_zero3_status``)."""
+        self._status = status
+
     # --- parameters ------------------------------------------------------------------------
     @property
     def releases(self) -> bool:
         """Whether the full parameters exist only while gathered for use: P sharded, or P on the host."""
-        return self.sharded_p or self.host_params is not None
+        return self.sharded_p or self._host_params is not None
 
     @property
     def p_storage(self) -> torch.Tensor:
@@ -218,11 +247,11 @@ class Unit:
     def place_params(self, host_params) -> None:
         """Where the P chunk lives: on the host (``host_params``, a HostParams: pinned, uploaded before each use) or
         on the device (None). Nothing in flight; a gathered copy is released first."""
-        if (host_params is None) == (self.host_params is None):
-            self.host_params = host_params
+        if (host_params is None) == (self._host_params is None):
+            self._host_params = host_params
             return
         self.release()
-        self._expect(self.param_state, (self._at_rest,), "place_params")
+        self._expect(self._param_state, (self._at_rest,), "place_params")
         with torch.no_grad():
             if host_params is not None:
                 host = host_params.empty(self.spec.p_size, self.dtype)
@@ -230,36 +259,36 @@ class Unit:
                 if not self.sharded_p:
                     self._show_params(False)
                     self.full.untyped_storage().resize_(0)
-                self.p_shard, self.host_params, self.param_state = host, host_params, ParamState.SHARDED
+                self.p_shard, self._host_params, self._param_state = host, host_params, ParamState.SHARDED
             else:
-                host, self.host_params = self.p_shard, None
+                host, self._host_params = self.p_shard, None
                 if self.sharded_p:
                     self.p_shard = host.to(self.device)
                 else:
                     self.full.untyped_storage().resize_(self.spec.padded * self.full.element_size())
                     self.full.copy_(host)
                     self._show_params(True)
-                    self.p_shard, self.param_state = None, ParamState.GATHERED
+                    self.p_shard, self._param_state = None, ParamState.GATHERED
 
     def start_gather(self) -> None:
         """Launch the AllGather of the full parameters without waiting (prefetch); once per use: nothing to do
         when the gather is in flight or done. A P-sync still in flight is waited for first; a host update still
         running is not (a prefetch must not block on it: ``wait_gather`` does)."""
-        if self.param_state is ParamState.UPDATING and not self._ticket.ready():
+        if self._param_state is ParamState.UPDATING and not self._ticket.ready():
             return
         self.wait_param_sync()
-        if self.param_state is not ParamState.SHARDED:
+        if self._param_state is not ParamState.SHARDED:
             return
         nbytes = self.spec.padded * self.full.element_size()
         if self.full.untyped_storage().size() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
-        if self.host_params is not None and self.host_params.stream is not None:  # P on the host of a GPU: up,
-            self._gather_work = self.host_params.upload(  # then gathered where s_p > 1, on the upload's stream
+        if self._host_params is not None and self._host_params.stream is not None:  # P on the host of a GPU: up,
+            self._gather_work = self._host_params.upload(  # then gathered where s_p > 1, on the upload's stream
                 self.p_shard, None if self.sharded_p else self.full, self._gather_from)
         else:  # on a CPU device the host pool is the device's memory
             self._gather_work = comm.all_gather(self.groups, "p", self.full, self.p_shard, async_op=True,
                                                 tag=self.name)
-        self.param_state = ParamState.GATHERING
+        self._param_state = ParamState.GATHERING
 
     def _gather_from(self, src: torch.Tensor):
         return comm.all_gather(self.groups, "p", self.full, src, async_op=True, tag=self.name)
@@ -268,36 +297,36 @@ class Unit:
         """Make the full parameters current and usable on this stream."""
         self.wait_param_sync()
         self.start_gather()
-        if self.param_state is ParamState.GATHERING:
+        if self._param_state is ParamState.GATHERING:
             if self._gather_work is not None:
                 self._gather_work.wait()
             self._gather_work = None
             self._show_params(True)
-            self.param_state = ParamState.GATHERED
+            self._param_state = ParamState.GATHERED
 
     def release(self) -> None:
         """Free the full buffer (s_p > 1), never while a collective still writes into it. Nothing to do when it
         is not gathered (SHARDED, or SYNCING: a unit the last forward did not use). The parameters become empty
         tensors, as ZeRO-3's partitioned ones: a read outside forward sees no elements, never freed memory."""
-        if (not self.releases or self.held
-                or self.param_state in (ParamState.SHARDED, ParamState.SYNCING, ParamState.UPDATING)):
+        if (not self.releases or self._held
+                or self._param_state in (ParamState.SHARDED, ParamState.SYNCING, ParamState.UPDATING)):
             return
         self.wait_gather()
         self._show_params(False)
         self.full.untyped_storage().resize_(0)
-        self.param_state = ParamState.SHARDED
+        self._param_state = ParamState.SHARDED
 
     def hold(self) -> None:
         """Gathered and kept so until ``unhold`` (ZeRO-3's ``GatheredParameters``): no release in between. A unit
         already gathered for use (inside a forward) stays as it was after the last unhold."""
-        self._holds.append(self.param_state is ParamState.GATHERED and not self.held)
+        self._holds.append(self._param_state is ParamState.GATHERED and not self._held)
         self.wait_gather()
-        self.held += 1
+        self._held += 1
 
     def unhold(self) -> None:
         was_gathered = self._holds.pop() if self._holds else False
-        self.held = max(0, self.held - 1)
-        if not self.held and not was_gathered:
+        self._held = max(0, self._held - 1)
+        if not self._held and not was_gathered:
             self.release()
 
     def _show_params(self, full: bool) -> None:
@@ -311,46 +340,46 @@ class Unit:
             for s in self.slots:
                 s.param.data = empty
                 s.param.ds_shape, s.param.ds_numel = s.shape, s.numel
-        if self.status is not None:
+        if self._status is not None:
             for s in self.slots:
-                s.param.ds_status = self.status[0 if full else 1]
+                s.param.ds_status = self._status[0 if full else 1]
 
     def start_param_sync(self, async_op: bool) -> None:
         """After the optimizer: this rank's P chunk from the OS chunks of its P-sync group."""
-        self._expect(self.param_state, (self._at_rest,), "start_param_sync")  # never while gathered or gathering
+        self._expect(self._param_state, (self._at_rest,), "start_param_sync")  # never while gathered or gathering
         work = comm.all_gather(self.groups, "p_sync", self.p_storage, self.os_params(), async_op=async_op,
                                tag=self.name)
         if async_op and work is not None:
-            self._sync_work, self.param_state = work, ParamState.SYNCING
+            self._sync_work, self._param_state = work, ParamState.SYNCING
 
     def begin_host_update(self, ticket) -> None:
         """The host optimizer now writes this unit's P chunk; its next use waits on ``ticket`` (a HostTicket)."""
-        self._expect(self.param_state, (self._at_rest,), "begin_host_update")
-        self._ticket, self.param_state = ticket, ParamState.UPDATING
+        self._expect(self._param_state, (self._at_rest,), "begin_host_update")
+        self._ticket, self._param_state = ticket, ParamState.UPDATING
 
     def wait_host_update(self) -> None:
         """Block until the host optimizer is done with this unit (its G accumulator on the host may be written
         again); the unit stays UPDATING until its next use finishes the update (``finish_host_update``)."""
-        if self.param_state is ParamState.UPDATING:
+        if self._param_state is ParamState.UPDATING:
             self._ticket.wait()
 
     def finish_host_update(self) -> None:
         """Wait for the host optimizer's update of this unit (its P chunk then current on this device's stream;
         the P-sync, where there is one, is the caller's)."""
-        self._expect(self.param_state, (ParamState.UPDATING,), "finish_host_update")
+        self._expect(self._param_state, (ParamState.UPDATING,), "finish_host_update")
         self._ticket.wait()  # a failed update does not raise here, on one rank: every rank raises it at the next
         # step boundary (LinsRuntime.check_host), before the stale P chunk is updated again or saved
-        self._ticket, self.param_state = None, self._at_rest
+        self._ticket, self._param_state = None, self._at_rest
 
     def wait_param_sync(self) -> None:
         """The P chunk current: a host update waited for (and the P-sync after it run: none when s_os == s_p, the
         only layouts whose host updates outlive ``step()``), a P-sync in flight completed."""
-        if self.param_state is ParamState.UPDATING:
+        if self._param_state is ParamState.UPDATING:
             self.finish_host_update()
             self.start_param_sync(async_op=False)
-        if self.param_state is ParamState.SYNCING:
+        if self._param_state is ParamState.SYNCING:
             self._sync_work.wait()
-            self._sync_work, self.param_state = None, self._at_rest
+            self._sync_work, self._param_state = None, self._at_rest
 
     def gather_whole(self, chunk: torch.Tensor, p_buf: torch.Tensor, whole_buf: torch.Tensor) -> torch.Tensor:
         """The unit's whole padded buffer of one fp32 state from this rank's OS chunk of it (``chunk``): over the P-sync
@@ -385,7 +414,7 @@ class Unit:
     def drop_grad(self, slot) -> None:
         """``slot``'s part of the gradient accumulated so far dropped (a submodule's ``zero_grad``; nothing in
         flight): zeros where this rank's G accumulator holds it; nothing where no gradient of the window arrived."""
-        if self._g_acc is None and self.host_grads is None:
+        if self._g_acc is None and self._host_grads is None:
             return
         self.write_grad(slot, torch.zeros(slot.numel, dtype=self.accum_dtype, device=self.device))
 
@@ -402,23 +431,23 @@ class Unit:
         for s in self.slots:
             s.param.grad = None
             s.param.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(s.shape)
-        self.full = self.p_shard = self._g_acc = self._grad_views = self.host_params = None
+        self.full = self.p_shard = self._g_acc = self._grad_views = self._host_params = None
 
     # --- gradients -------------------------------------------------------------------------
     def place_grads(self, host_grads) -> None:
         """Where the G accumulator lives from the next window on: on the host, ``host_grads`` (a HostGradSlot), or
         on the device (None). Only between windows, with no gradient held."""
-        self._expect(self.grad_state, (GradState.ACCUMULATING,), "place_grads")
+        self._expect(self._grad_state, (GradState.ACCUMULATING,), "place_grads")
         if self._g_acc is not None or self._pending:
             raise UnitStateError(f"lins: unit {self.name}: place_grads while it holds gradients")
-        self.host_grads, self._grad_views = host_grads, None
+        self._host_grads, self._grad_views = host_grads, None
         self.attach_grads()
 
     @property
     def in_place(self) -> bool:
         """Each .grad a view into the accumulator (s_g == 1, gradients accumulated in the parameter dtype, G on the
         device), unless the unit releases its parameters: an empty parameter cannot hold a full-size .grad."""
-        return (self.host_grads is None and not self.sharded_g and self.accum_dtype == self.dtype
+        return (self._host_grads is None and not self.sharded_g and self.accum_dtype == self.dtype
                 and not self.releases)
 
     @property
@@ -431,8 +460,8 @@ class Unit:
         """The G accumulator: allocated when the window's first gradient of this unit arrives, freed after the
         optimizer step (``reset_grads``), so that a backward's start, where activations peak, holds none. Where the
         plan keeps it on the host, the host's (``HostGrads``), current once the step has begun."""
-        if self.host_grads is not None:
-            return self.host_grads.acc
+        if self._host_grads is not None:
+            return self._host_grads.acc
         if self._g_acc is None:
             self._g_acc = torch.zeros(self.g_numel, dtype=self.accum_dtype, device=self.device)
         return self._g_acc
@@ -474,13 +503,13 @@ class Unit:
         backward over the window's last micro-batch (``engine.backward`` twice on one forward) after the one that
         ended the window: every replica holds the window's sum, which stays on the first replica of this G chunk
         only (zeros on the others, in place: no collective), so that the next replica AllReduce counts it once."""
-        self._expect(self.grad_state, (GradState.ACCUMULATING, GradState.REDUCED, GradState.FINAL), "begin_backward")
-        if self.grad_state is GradState.FINAL and self.groups.size("g_replica") > 1 \
+        self._expect(self._grad_state, (GradState.ACCUMULATING, GradState.REDUCED, GradState.FINAL), "begin_backward")
+        if self._grad_state is GradState.FINAL and self.groups.size("g_replica") > 1 \
                 and self.groups.members["g_replica"][0] != self.groups.rank:
             self.g_acc.zero_()
         if not self._grads_attached:
             self.attach_grads()
-        self.grad_state = GradState.ACCUMULATING
+        self._grad_state = GradState.ACCUMULATING
 
     def grad_arrived(self, param) -> bool:
         """Note ``param``'s gradient; True once every parameter of the unit has one in this backward (or is
@@ -503,7 +532,7 @@ class Unit:
 
     def _late_grad(self, param) -> None:
         name = next(s.name for s in self.slots if s.param is param)
-        if self.grad_state is not GradState.ACCUMULATING:
+        if self._grad_state is not GradState.ACCUMULATING:
             raise RuntimeError(
                 f"lins: parameter {name} got a gradient after unit {self.name} was reduced: autograd said this "
                 "backward would not reach it. Part of the unit's forward ran where the graph could not see it "
@@ -515,38 +544,38 @@ class Unit:
         """Move this backward's gradients towards the G accumulation: local accumulation when s_g = 1 (in
         place where the gradients are views into it), else a ReduceScatter launched now, staged in
         ``staging``. True when a ReduceScatter is in flight (``finish_reduce`` completes it)."""
-        self._expect(self.grad_state, (GradState.ACCUMULATING,), "start_reduce")
+        self._expect(self._grad_state, (GradState.ACCUMULATING,), "start_reduce")
         self._pending.clear()
         self._no_grad.clear()
         if self.in_place:
             self._adopt_grads()
-            self.grad_state = GradState.REDUCED
+            self._grad_state = GradState.REDUCED
             return False
         flat = self._stage(staging)
         if not self.sharded_g:
             self._accumulate(flat)
-            self.grad_state = GradState.REDUCED
+            self._grad_state = GradState.REDUCED
             return False
-        out = torch.empty(self.spec.g_size, dtype=self.reduce_dtype, device=self.device)
+        out = torch.empty(self.spec.g_size, dtype=self._reduce_dtype, device=self.device)
         work = comm.reduce_scatter(self.groups, "g", out, flat, async_op=True, tag=self.name)
         self._reduce = (work, out)
-        self.grad_state = GradState.REDUCING
+        self._grad_state = GradState.REDUCING
         return True
 
     def finish_reduce(self) -> None:
         """Wait for the ReduceScatter and accumulate its chunk."""
-        self._expect(self.grad_state, (GradState.REDUCING,), "finish_reduce")
+        self._expect(self._grad_state, (GradState.REDUCING,), "finish_reduce")
         work, out = self._reduce
         if work is not None:
             work.wait()
         self._accumulate(out)
         self._reduce = None
-        self.grad_state = GradState.REDUCED
+        self._grad_state = GradState.REDUCED
 
     def _accumulate(self, chunk: torch.Tensor) -> None:
         """This backward's reduced G chunk into the accumulator: on the device, or down to the host's."""
-        if self.host_grads is not None:
-            self.host_grads.push(chunk)
+        if self._host_grads is not None:
+            self._host_grads.push(chunk)
         else:
             self.g_acc.add_(chunk)
 
@@ -554,50 +583,50 @@ class Unit:
         """The G chunk is final for this accumulation window: AllReduce it over its replicas. True when the
         AllReduce runs on a reduce-dtype copy in flight (memory ``finish_replica_reduce`` frees). A window
         without a backward (ACCUMULATING) reduces its zeros like any other."""
-        self._expect(self.grad_state, (GradState.REDUCED, GradState.ACCUMULATING), "start_replica_reduce")
+        self._expect(self._grad_state, (GradState.REDUCED, GradState.ACCUMULATING), "start_replica_reduce")
         if self.groups.size("g_replica") == 1:
-            self.grad_state = GradState.FINAL
+            self._grad_state = GradState.FINAL
             return False
-        tmp = None if self.g_acc.dtype == self.reduce_dtype else self.g_acc.to(self.reduce_dtype)
+        tmp = None if self.g_acc.dtype == self._reduce_dtype else self.g_acc.to(self._reduce_dtype)
         self._replica_work = comm.all_reduce(self.groups, "g_replica", self.g_acc if tmp is None else tmp,
                                              async_op=True, tag=self.name)
         self._replica_tmp = tmp
-        self.grad_state = GradState.REPLICA_REDUCING
+        self._grad_state = GradState.REPLICA_REDUCING
         return tmp is not None
 
     def finish_replica_reduce(self) -> None:
-        self._expect(self.grad_state, (GradState.REPLICA_REDUCING,), "finish_replica_reduce")
+        self._expect(self._grad_state, (GradState.REPLICA_REDUCING,), "finish_replica_reduce")
         self._replica_work.wait()
         if self._replica_tmp is not None:
             self.g_acc.copy_(self._replica_tmp)
         self._replica_work = self._replica_tmp = None
-        self.grad_state = GradState.FINAL
+        self._grad_state = GradState.FINAL
 
     def reset_grads(self) -> None:
         """After the optimizer step (or a skipped one): the accumulator freed (the next window's first gradient
         allocates it again), no .grad left holding it."""
-        self._expect(self.grad_state, (GradState.ACCUMULATING, GradState.REDUCED, GradState.FINAL), "reset_grads")
+        self._expect(self._grad_state, (GradState.ACCUMULATING, GradState.REDUCED, GradState.FINAL), "reset_grads")
         self._g_acc = self._grad_views = None
         for s in self.slots:
             s.param.grad = None
         self._grads_attached = False
         self._pending.clear()
         self._no_grad.clear()
-        self.grad_state = GradState.ACCUMULATING
+        self._grad_state = GradState.ACCUMULATING
 
     def wait_all(self) -> None:
         """Complete every collective of this unit still in flight; issues none. A host update still running is
         waited for: its P-sync is a local copy, since only layouts without a P-sync collective (s_os == s_p, a P-sync
         group of one) let an update outlive ``step()`` (``plan.offload.hides_behind_forward``)."""
-        if self.param_state is ParamState.UPDATING and self.groups.size("p_sync") > 1:
+        if self._param_state is ParamState.UPDATING and self.groups.size("p_sync") > 1:
             raise UnitStateError(f"unit {self.name}: wait_all on a host update whose P-sync is a collective (group of "
                                  f"{self.groups.size('p_sync')}): step() runs those, in unit order")
         self.wait_param_sync()
-        if self.param_state is ParamState.GATHERING:
+        if self._param_state is ParamState.GATHERING:
             self.wait_gather()
-        if self.grad_state is GradState.REDUCING:
+        if self._grad_state is GradState.REDUCING:
             self.finish_reduce()
-        if self.grad_state is GradState.REPLICA_REDUCING:
+        if self._grad_state is GradState.REPLICA_REDUCING:
             self.finish_replica_reduce()
 
     def _adopt_grads(self) -> None:
