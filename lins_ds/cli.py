@@ -58,6 +58,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-copy-gbs", type=float, default=50.0, help="pinned host<->GPU copy bandwidth, GB/s")
     p.add_argument("--tiling", default="auto", help="sequence tiling of the MLPs and the logits + loss, as lins.tiling: "
                    "auto (only where nothing fits untiled; LLaMA-like models), off, or MLP,LOGITS tile counts")
+    p.add_argument("--activation-offload", default="auto", help="checkpointed layers' inputs held on the host, as "
+                   "lins.activation_offload: auto (the fewest that fit, only where nothing fits without; needs "
+                   "--host-memory-gb), off, or a number of layers")
     p.add_argument("--longest", action="store_true", help="also find the longest sequence (a multiple of 128) that "
                    "fits this budget and host, and say which tensor binds beyond it")
     p.add_argument("--format", default="table", choices=["table", "json"])
@@ -80,8 +83,9 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
 
 
-def _offload_rungs(args: argparse.Namespace, topo) -> list:
-    """--offload as the engine's lins.offload: the same ladder (``plan.offload.ladder``), the host given."""
+def _offload_rungs(args: argparse.Namespace, topo) -> tuple:
+    """(rungs, host): --offload as the engine's lins.offload, the same ladder (``plan.offload.ladder``), and the host
+    given (None without --host-memory-gb)."""
     from .plan.offload import HostSpec, ladder
 
     mode = args.offload or ("auto" if args.host_memory_gb else "off")
@@ -90,8 +94,8 @@ def _offload_rungs(args: argparse.Namespace, topo) -> list:
     host = (HostSpec(args.host_memory_gb / topo.gpus_per_node, args.host_update_gelems * 1e9, args.host_copy_gbs,
                      args.host_copy_gbs, source="given (lins-ds plan)") if args.host_memory_gb else None)
     if mode == "fixed":
-        return ladder(mode, lambda: host, args.os_fraction, args.offload_g, args.offload_p)
-    return ladder(mode, lambda: host)
+        return ladder(mode, lambda: host, args.os_fraction, args.offload_g, args.offload_p), host
+    return ladder(mode, lambda: host), host
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -99,6 +103,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import context, cost, report
     from .plan import sequence
     from .plan.offload import walk
+    from dataclasses import replace
 
     topo = P.Topology(args.nodes, args.gpus_per_node)
     model = P.load_model(args.model)
@@ -117,13 +122,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            args.grad_accum_dtype, args.grad_reduce_dtype, activation_checkpointing=args.ckpt)
     device = "cpu" if args.profile and table.meta.get("device") == "cpu" else "cuda"  # the profile's device
     mem = P.MemorySpec(capacity, context.reserved_gb(args.reserved_gb, device), args.fragmentation)
-    rungs = _offload_rungs(args, topo)
-    tilings = sequence.rungs(_tiling_choice(args.tiling), model.arch == "llama")
+    rungs, host = _offload_rungs(args, topo)
+    tilings = sequence.rungs(_tiling_choice(args.tiling), model.arch == "llama",
+                             _activation_offload_choice(args.activation_offload))
 
-    def plan_at(t):  # the engine's policies: "auto" offloads, then tiles, only where nothing fits without
-        def tiled(mlp, logits):
+    def plan_at(t):  # the engine's policies: "auto" offloads, then tiles, then offloads activations, each only where
+        def tiled(mlp, logits, act):  # nothing fits without it
             def solve(spec):
-                return P.solve(model, topo, sequence.tiled(t, mlp, logits), mem, table, compute,
+                spec = replace(spec, host=host) if act and spec.host is None else spec
+                return P.solve(model, topo, sequence.tiled(t, mlp, logits, act), mem, table, compute,
                                objective=args.objective, offload=spec), True
             return walk(rungs, solve, (P.NoFeasiblePlan,))
         return sequence.walk(tilings, tiled, (P.NoFeasiblePlan,))
@@ -149,6 +156,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(report.to_table(sol) + (f"\n{longest.describe()}" if longest else ""))
     return 0
+
+
+def _activation_offload_choice(text: str):
+    """--activation-offload as lins.activation_offload: "auto", False ("off"), or a number of layers."""
+    if text in ("auto", "off"):
+        return "auto" if text == "auto" else False
+    if text.isdigit():
+        return int(text)
+    raise SystemExit(f"lins-ds plan: --activation-offload {text!r} is not auto, off or a number of layers")
 
 
 def _tiling_choice(text: str):
@@ -189,7 +205,8 @@ def _longest(plan_at, model, train, P, last_tiling: tuple):
         smallest = e.smallest
         gpu = smallest.memory.total_gb - e.capacity_gb
         host = smallest.memory.host_gb - smallest.host_capacity_gb
-        tensors = L.activation_tensors(model, sequence.tiled(at(seq + L.ALIGN), *last_tiling), smallest.ckpt_units)
+        tensors = L.activation_tensors(model, sequence.tiled(at(seq + L.ALIGN), *last_tiling[:2]), smallest.ckpt_units,
+                                       act_offload_units=smallest.act_offload_units)
         return L.Longest(seq, False, L.binding(smallest.memory.terms, tensors), max(gpu, host),
                          "host" if host > gpu else "GPU")
 

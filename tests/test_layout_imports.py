@@ -301,6 +301,7 @@ REACH_IN_ALLOWED = {  # (module, attribute): why
     ("runtime.switch.tune", "host"): "the same: the candidates' host optimizer is the OffloadSpec's",
     ("integrations.optimizer", "full"): "torch.full (a tensor), not a unit's buffer",
     ("integrations.sharded_init", "full"): "its own replay records' values",
+    ("cli", "host"): "the same as planning's: the OffloadSpec's host (data), not the runtime's",
 }
 
 

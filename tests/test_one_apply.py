@@ -44,7 +44,8 @@ def _steps(engine, first: int, count: int) -> list:
 
 
 def _fixed(plan) -> dict:
-    """The lins block of a fresh start on ``plan``: its layout, checkpointing, offload and tiling fixed in the config."""
+    """The lins block of a fresh start on ``plan``: its layout, checkpointing, offload, tiling and activation offload
+    fixed in the config."""
     lins = {"plan": {s: [f.intra, f.inter] for s, f in plan.layout.factors().items()},
             "activation_checkpointing": plan.activation_checkpointing_units}
     place = plan.placement
@@ -54,6 +55,8 @@ def _fixed(plan) -> dict:
                            "g": "cpu" if place.offloads("g") else "gpu", "p": "cpu" if place.offloads("p") else "gpu"}
     if plan.mlp_tiles > 1 or plan.logits_tiles > 1:
         lins["tiling"] = {"mlp": plan.mlp_tiles, "logits": plan.logits_tiles}
+    if plan.activation_offload_units:
+        lins["activation_offload"] = plan.activation_offload_units
     return lins
 
 
@@ -79,14 +82,14 @@ def _switched(path: str, tmp: str) -> dict:
             first += 1
         engine.save_checkpoint(tmp, tag="switch")  # the winner runs: a fresh start on it must go on identically
         moved = len(engine.lins_tune_report or []) >= 2
-    else:  # a user's relayout onto another layout, offload, checkpointing and sequence tiling
+    else:  # a user's relayout onto another layout, offload, checkpointing, sequence tiling and activation offload
         engine = _engine({"plan": {"p": [1, 1], "g": [1, 1], "os": [1, 1]}})
         _steps(engine, 0, 1)
         engine.save_checkpoint(tmp, tag="switch")
         sharded = Factor(2, 1) if world == 2 else Factor(2, 2)
         target = dataclasses.replace(engine.lins.plan, layout=Layout(Factor(1, 1), sharded, sharded),
                                      activation_checkpointing_units=1, placement=Placement.of(2, g=HOST),
-                                     mlp_tiles=2, logits_tiles=3)
+                                     mlp_tiles=2, logits_tiles=3, activation_offload_units=1)
         engine.relayout(target)
         first, moved = 1, True
     if path == "re-size":

@@ -87,6 +87,6 @@ def test_the_memory_model_takes_the_tiled_tensors_out_and_the_step_pays_their_re
 def test_auto_offers_the_ladder_only_to_a_model_it_can_tile():
     from lins_ds.plan import sequence
 
-    assert sequence.rungs("auto", True) == list(sequence.LADDER) and sequence.LADDER[0] == (1, 1)
-    assert sequence.rungs("auto", False) == [(1, 1)] == sequence.rungs(False, True)
-    assert sequence.rungs((2, 4), True) == [(2, 4)]
+    assert sequence.rungs("auto", True) == [(*t, False) for t in sequence.LADDER] and sequence.LADDER[0] == (1, 1)
+    assert sequence.rungs("auto", False) == [(1, 1, False)] == sequence.rungs(False, True)
+    assert sequence.rungs((2, 4), True) == [(2, 4, False)]

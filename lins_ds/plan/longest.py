@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .memory import ActivationProfile, formula_activations, tiled_activations
+from .memory import (UPLOADED_LAYERS, ActivationProfile, formula_activations, offloaded_input_bytes,
+                     tiled_activations)
 from .model import ModelSpec
 from .spec import GIB, TrainingSpec
 
@@ -74,14 +75,16 @@ def search(fits: Callable[[int], bool], start: int) -> tuple:
 
 
 def activation_tensors(model: ModelSpec, train: TrainingSpec, ckpt_units: int,
-                       activations: Optional[ActivationProfile] = None) -> dict:
+                       activations: Optional[ActivationProfile] = None, act_offload_units: int = 0) -> dict:
     """GiB of the activation tensors that grow with the sequence, at ``train``'s length, for a plan checkpointing
     ``ckpt_units`` of the model's layer units: what the layers keep for backward, one layer's backward working set,
-    and the head (embedding output, logits, the loss's fp32 copies and their gradients), under ``train``'s tiling."""
+    and the head (embedding output, logits, the loss's fp32 copies and their gradients), under ``train``'s tiling,
+    less the inputs of ``act_offload_units`` checkpointed layers held on the host (all but ``UPLOADED_LAYERS``)."""
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch, train.seq_len)
     acts = tiled_activations(acts, model, train)
     n, k = model.num_layers, ckpt_units
-    return {"layer activations kept for backward": ((n - k) * acts.layer_saved + k * acts.layer_saved_ckpt) / GIB,
+    away = max(0, min(act_offload_units, k) - UPLOADED_LAYERS) * offloaded_input_bytes(acts, model, train)
+    return {"layer activations kept for backward": ((n - k) * acts.layer_saved + k * acts.layer_saved_ckpt - away) / GIB,
             "one layer's backward working set": acts.layer_transient / GIB,
             "logits and loss (seq x vocab)": acts.head_peak / GIB}
 

@@ -41,6 +41,9 @@ from .spec import GIB, MemorySpec, TrainingSpec
 from .topology import Layout, Topology
 
 PREFETCHED_LAYERS = 1  # layer units gathered ahead of the one running (the executor's prefetch depth)
+# activation offload: the offloaded layers whose inputs are on the device at once in the backward (the one recomputing,
+# one uploaded ahead: ``runtime.step.activation_offload.PREFETCHED_LAYERS``)
+UPLOADED_LAYERS = 2
 GATHERED_LAYERS = 1 + PREFETCHED_LAYERS  # layer units whose full parameters exist at once
 IN_FLIGHT_REDUCE_SCATTERS = 2  # ReduceScatters in flight before the oldest is completed
 IN_FLIGHT_REPLICA_COPIES = 2  # replica AllReduces on reduce-dtype copies in flight before the oldest completes
@@ -141,6 +144,12 @@ def logits_bytes(model: ModelSpec, train: TrainingSpec) -> float:
     return train.tokens_per_micro_batch * model.vocab * (train.param_bytes + LOSS_BYTES)
 
 
+def offloaded_input_bytes(acts: ActivationProfile, model: ModelSpec, train: TrainingSpec) -> float:
+    """What activation offload moves to the host per checkpointed layer unit: its input, the residual stream (seq x
+    hidden); never more than the layer keeps checkpointed (``acts``: at ``train``'s tokens)."""
+    return min(acts.layer_saved_ckpt, train.tokens_per_micro_batch * model.hidden * train.param_bytes)
+
+
 def tiled_activations(acts: ActivationProfile, model: ModelSpec, train: TrainingSpec) -> ActivationProfile:
     """``acts`` (at ``train``'s tokens) under ``train``'s tiling: a layer keeps no MLP intermediates and its backward
     works on one tile of them; the head keeps the final hidden states and works on one tile of logits. Never below
@@ -174,7 +183,8 @@ def formula_activations(model: ModelSpec, train: TrainingSpec) -> ActivationProf
 
 
 def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layout: Layout, ckpt_units: int,
-                    acts: ActivationProfile, host_grad_units: int = 0, host_param_units: int = 0) -> dict:
+                    acts: ActivationProfile, host_grad_units: int = 0, host_param_units: int = 0,
+                    act_offload_units: int = 0) -> dict:
     """Bytes beyond the persistent state at each moment of a backward that can hold its peak, per term:
 
     head       the loss's backward: every layer's saved tensors, the head's peak, the root gathered and the top
@@ -189,7 +199,10 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
     ``host_grad_units``: the last units (forward order) whose G accumulators live on the host
     (``lins_ds.plan.offload``): none of theirs on the GPU; their gradients come as autograd makes them (one
     unit's), staged, and a staged copy on its way down (two staging buffers). ``host_param_units``: the last units
-    whose P lives on the host: gathered (uploaded) before each use like a sharded unit's, none of it otherwise."""
+    whose P lives on the host: gathered (uploaded) before each use like a sharded unit's, none of it otherwise.
+    ``act_offload_units``: of the ``ckpt_units`` checkpointed layer units, those whose inputs wait on the host for
+    their recompute (``offloaded_input_bytes`` each); ``UPLOADED_LAYERS`` of them are back on the device at any
+    moment of the backward, counted in every phase."""
     n, k = model.num_layers, ckpt_units
     units = model.unit_params()
     root, layer = units[0], max(units[1:], default=0)
@@ -212,7 +225,8 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
               if topo.world_size // s_g > 1 and accum != reduce else 0.0)
     gathered_root = root * pb if s_p > 1 or host_param_units > n else 0.0
     gathered_layer = layer * pb if s_p > 1 or host_param_units else 0.0
-    kept = (n - k) * acts.layer_saved + k * acts.layer_saved_ckpt
+    away = max(0, min(act_offload_units, k) - UPLOADED_LAYERS) * offloaded_input_bytes(acts, model, train)
+    kept = (n - k) * acts.layer_saved + k * acts.layer_saved_ckpt - away
 
     on_gpu = (0 if root_on_host else root) + (n - host_layers) * layer  # what has a G accumulator on the GPU
 
@@ -232,7 +246,8 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
         phases["layers"] = {"grads": grads(1), "activations": kept + acts.layer_transient, **busy}
     if k > 0:
         phases["recompute"] = {"grads": grads(n - k + 1),
-                               "activations": k * acts.layer_saved_ckpt + acts.layer_saved + acts.layer_transient,
+                               "activations": k * acts.layer_saved_ckpt - away + acts.layer_saved
+                               + acts.layer_transient,
                                **busy}
     end = 0.0 if in_place and not root_on_host else root * pb + root * rb + (root / s_g * rb if s_g > 1 else 0)
     phases["end"] = {"grads": grads(n), "activations": 0.0, "gathered": gathered_root, "grad_buffers": end + copies}
@@ -241,10 +256,11 @@ def backward_phases(model: ModelSpec, train: TrainingSpec, topo: Topology, layou
 
 def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topology, layout: Layout,
            ckpt_units: int, activations: Optional[ActivationProfile] = None,
-           placement: Placement = RESIDENT) -> "MemoryBreakdown":
+           placement: Placement = RESIDENT, act_offload_units: int = 0) -> "MemoryBreakdown":
     """``placement``: the last k units keep their OS off the device (``lins_ds.plan.offload``): the GPU holds none of
     their optimizer state and runs none of their update; with their G off it none of their G either, with their P
-    off it none of their P but while gathered for use."""
+    off it none of their P but while gathered for use. ``act_offload_units``: the checkpointed layer units whose
+    inputs are held on the host between their forward and their recompute (``backward_phases``); host memory."""
     phi = model.total_params()
     units = model.unit_params()
     resident = units[:len(units) - placement.units_of("os")]
@@ -254,7 +270,7 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     acts = (activations or formula_activations(model, train)).scaled(train.tokens_per_micro_batch, train.seq_len)
     acts = tiled_activations(acts, model, train)
     host_g, host_p = placement.units_of("g"), placement.units_of("p")
-    phases = backward_phases(model, train, topo, layout, ckpt_units, acts, host_g, host_p)
+    phases = backward_phases(model, train, topo, layout, ckpt_units, acts, host_g, host_p, act_offload_units)
     worst = max(phases, key=lambda p: sum(phases[p].values()))
     step_grad = 4 if gb != 4 else 0  # the optimizer reads fp32 gradients
     piece = max(resident, default=0) if train.optimizer_per_unit else on_gpu
@@ -273,8 +289,9 @@ def memory(model: ModelSpec, train: TrainingSpec, mem: MemorySpec, topo: Topolog
     terms["reserved"] = mem.reserved_gb
     terms["margin"] = mem.fragmentation * peak
     phase = "optimizer step" if stepping else f"backward ({worst})"
+    act_host = min(act_offload_units, ckpt_units) * offloaded_input_bytes(acts, model, train) / GIB
     return MemoryBreakdown(terms, peak, acts.source, phase,
-                           host_gb(units, placement, s_os, train))
+                           host_gb(units, placement, s_os, train) + act_host, act_host)
 
 
 @dataclass(frozen=True)
@@ -283,7 +300,8 @@ class MemoryBreakdown:
     allocated_gb: float  # the allocator's predicted peak (torch.cuda.max_memory_allocated's quantity)
     activation_source: str = "formula"
     phase: str = "backward"  # where the peak is: "backward (head | layers | recompute | end)" or "optimizer step"
-    host_gb: float = 0.0  # host memory the offloaded OS chunks pin (``lins_ds.plan.offload.host_gb``)
+    host_gb: float = 0.0  # host memory the offloaded OS chunks pin (``lins_ds.plan.offload.host_gb``), and activations
+    activation_host_gb: float = 0.0  # of it, the offloaded layer inputs (activation offload)
 
     @property
     def total_gb(self) -> float:

@@ -69,6 +69,9 @@ def to_json(sol: Solution) -> dict:
         "host_memory_gb": round(best.memory.host_gb, 4),
         "predicted_offload_s_per_step": best.offload_s,
         "mlp_tiles": sol.plan.mlp_tiles, "logits_tiles": sol.plan.logits_tiles,
+        "activation_offload_units": best.act_offload_units,
+        "activation_host_gb": round(best.memory.activation_host_gb, 4),
+        "predicted_activation_offload_s_per_step": best.act_offload_s,
         "objective": best.objective, "objective_s_per_step": best.objective_s,
         "predicted_s_per_state": per_state(list(best.collectives)),
         "collectives": [c.to_json() for c in best.collectives],
@@ -104,6 +107,9 @@ def to_table(sol: Solution) -> str:
            f"{_ms(best.offload_s).strip()} per step not hidden by the forward)" if off.n_units else ""),
         *([f"  sequence tiling: the MLPs in {plan.mlp_tiles} tile(s), the logits and loss in {plan.logits_tiles} "
            "(each recomputed in the backward)"] if plan.mlp_tiles > 1 or plan.logits_tiles > 1 else []),
+        *([f"  activation offload: the inputs of {best.act_offload_units} of the {best.ckpt_units} checkpointed layer "
+           f"units held on the host until their recompute ({_gib(best.memory.activation_host_gb)} pinned per rank; "
+           f"{_ms(best.act_offload_s).strip()} per step not hidden by compute)"] if best.act_offload_units else []),
         "",
         f"  {'state':<16}{'mesh intra x inter':>20}{'bytes/GPU':>14}{'predicted/step':>18}",
     ]

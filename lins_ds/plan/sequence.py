@@ -1,5 +1,5 @@
-"""Sequence tiling as a planned dimension (issue 60; docs/design.md §8): what it saves, what it costs, and the order in
-which the planner offers it.
+"""Sequence tiling and activation offload as planned dimensions (issue 60; docs/design.md §8): what they save, what
+they cost, and the order in which the planner offers them.
 
 Two of the tensors that grow with the sequence are temporaries that tiling keeps from ever being whole
 (``runtime/step/tiling.py``): the MLP's seq x intermediate tensors (a gated MLP keeps four — gate, up, the activation
@@ -8,8 +8,18 @@ made one tile at a time and recomputed in the backward, so a layer keeps only th
 final hidden states; the working set of the MLP's and the loss's backward shrinks by the tile count. The price is one
 more forward of every layer's MLP and of the lm_head matmul per micro-batch.
 
-What it saves is modelled with the rest of the activations (``plan.memory.tiled_activations``). The planner offers tiling only where no plan fits without it (``LADDER``: walked after the offload ladder), so a
-sequence that fits runs as before; ``lins.tiling`` fixes it instead (or turns it off).
+What it saves is modelled with the rest of the activations (``plan.memory.tiled_activations``). The planner offers
+tiling only where no plan fits without it (``LADDER``: walked after the offload ladder), so a sequence that fits runs
+as before; ``lins.tiling`` fixes it instead (or turns it off).
+
+The third tensor that grows with the sequence stays whole: each checkpointed layer's input (seq x hidden), kept from
+its forward to its recompute. Activation offload (``runtime/step/activation_offload.py``) holds it in host memory in
+between: down on a copy stream as the layer's forward starts, back one layer ahead of its recompute. The solver offloads
+the fewest checkpointed layers that make a plan fit (``solver.evaluate``; the first ones, whose inputs wait longest),
+counts their inputs in the host memory beside the offloaded states, and prices the copies the compute cannot hide
+(``activation_offload_seconds``). It is offered after every tiling (``rungs``): first the whole ladder without it, then
+again with it, so a sequence that fits without host memory never uses any; ``lins.activation_offload: false`` keeps it
+off.
 """
 
 from __future__ import annotations
@@ -26,25 +36,45 @@ from .spec import TrainingSpec
 LADDER = ((1, 1), (1, 8), (4, 8), (8, 16), (16, 32), (32, 64))
 
 
-def tiled(train: TrainingSpec, mlp_tiles: int, logits_tiles: int) -> TrainingSpec:
-    return replace(train, mlp_tiles=mlp_tiles, logits_tiles=logits_tiles)
+def tiled(train: TrainingSpec, mlp_tiles: int, logits_tiles: int, activation_offload=False) -> TrainingSpec:
+    return replace(train, mlp_tiles=mlp_tiles, logits_tiles=logits_tiles, activation_offload=activation_offload)
 
 
-def rungs(choice, supported: bool) -> list:
-    """The tilings to try in order: ``choice`` is lins.tiling ("auto", False, or (mlp, logits)); ``supported``: the
-    model can be tiled (``runtime.step.tiling`` supports its class). "auto" on a model that cannot be tiled, or False:
-    only untiled."""
+def rungs(choice, supported: bool, offload_activations=False) -> list:
+    """The (MLP tiles, logits tiles, activation offload) rungs to try in order: ``choice`` is lins.tiling ("auto",
+    False, or (mlp, logits)); ``supported``: the model can be tiled (``runtime.step.tiling`` supports its class);
+    "auto" on a model that cannot be tiled, or False: only untiled. ``offload_activations`` is
+    lins.activation_offload: "auto" offers every tiling again with activation offload (the fewest layers that fit:
+    ``TrainingSpec.activation_offload`` True), after all of them without it; False: never; a number: that many
+    layers' on every rung."""
     if choice is False or (choice == "auto" and not supported):
-        return [LADDER[0]]
-    if choice == "auto":
-        return list(LADDER)
-    return [tuple(choice)]
+        tilings = [LADDER[0]]
+    elif choice == "auto":
+        tilings = list(LADDER)
+    else:
+        tilings = [tuple(choice)]
+    if offload_activations == "auto":
+        return [(*t, False) for t in tilings] + [(*t, True) for t in tilings]
+    return [(*t, offload_activations) for t in tilings]
 
 
 def walk(tilings: list, attempt: Callable, errors: tuple):
-    """``attempt(mlp_tiles, logits_tiles)`` for each tiling in order until one returns without one of ``errors``; the
-    last rung's error where none does (``plan.offload.walk``, the one ladder driver)."""
+    """``attempt(mlp_tiles, logits_tiles, activation_offload)`` for each rung in order until one returns without one of
+    ``errors``; the last rung's error where none does (``plan.offload.walk``, the one ladder driver)."""
     return offload_walk([lambda t=t: t for t in tilings], lambda t: (attempt(*t), True), errors)
+
+
+def activation_offload_seconds(layer_bytes: float, layers: int, host, fwd_s: float, bwd_s: float, num_layers: int,
+                               grad_accum: int) -> float:
+    """What a step waits for activation offload's copies of ``layers`` inputs of ``layer_bytes`` each, on ``host``'s
+    link (``plan.offload.HostSpec``), given one micro-batch's forward and backward compute (``fwd_s``, ``bwd_s``) over
+    ``num_layers`` layers. One copy stream carries both ways. Down: the copies run beside the forward and nothing
+    waits for them but memory; what the forward does not cover delays the first upload of the backward. Up: each
+    input comes back while the layer above it recomputes and runs its backward (one layer ahead), so an upload longer
+    than that layer's share of the backward is waited for by the difference."""
+    down = max(0.0, layers * layer_bytes / (host.d2h_gbs * 1e9) - fwd_s)
+    up = layers * max(0.0, layer_bytes / (host.h2d_gbs * 1e9) - bwd_s / max(num_layers, 1))
+    return grad_accum * (down + up)
 
 
 def extra_flops(model: ModelSpec, train: TrainingSpec) -> float:

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from . import cost
-from .memory import ActivationProfile, MemoryBreakdown, memory
+from .memory import UPLOADED_LAYERS, ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
 from .offload import (RESIDENT, HostSpec, OffloadSpec, Placement, exposed_seconds as offload_exposed,
                       host_optimizer_of)
 from .profile_table import ProfileTable
-from .sequence import extra_flops
+from .sequence import activation_offload_seconds, extra_flops
 from .spec import MemorySpec, TrainingSpec
 from .topology import Layout, PlanError, Topology, candidates, check_layout
 
@@ -87,6 +87,8 @@ class Evaluation:
     host_capacity_gb: float = float("inf")
     num_units: int = 0
     host_optimizer: str = "torch"  # what updates the OS chunks on the host: "torch" or "deepspeed" (DeepSpeedCPUAdam)
+    act_offload_units: int = 0  # checkpointed layer units whose inputs wait on the host (activation offload)
+    act_offload_s: float = 0.0  # what the step waits for their copies
 
     @property
     def checkpointing(self) -> bool:
@@ -100,7 +102,7 @@ class Evaluation:
     def objective_s(self) -> float:
         if self.objective == "comm":
             return self.comm_s + self.recompute_s
-        return self.exposed_s + self.recompute_s + self.optimizer_s + self.offload_s
+        return self.exposed_s + self.recompute_s + self.optimizer_s + self.offload_s + self.act_offload_s
 
     @property
     def fits_gpu(self) -> bool:
@@ -137,6 +139,7 @@ class Plan:
     host_optimizer: str = "torch"  # what updates the OS chunks on the host: "torch" or "deepspeed" (DeepSpeedCPUAdam)
     mlp_tiles: int = 1  # sequence tiling (``plan.sequence``): the MLPs computed this many sequence tiles at a time
     logits_tiles: int = 1  # ... and the logits with their loss
+    activation_offload_units: int = 0  # of the checkpointed layer units, the first this many keep their inputs on the host
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -155,9 +158,12 @@ class Plan:
         }
 
     def _tiling_json(self) -> dict:
-        """The sequence tiling, where there is one (an untiled plan's JSON and digest are as before it existed)."""
+        """The sequence tiling and the activation offload, where there are (a plan without them has the JSON and
+        digest it had before they existed)."""
         tiled = self.mlp_tiles > 1 or self.logits_tiles > 1
-        return {"mlp_tiles": self.mlp_tiles, "logits_tiles": self.logits_tiles} if tiled else {}
+        out = {"mlp_tiles": self.mlp_tiles, "logits_tiles": self.logits_tiles} if tiled else {}
+        return {**out, "activation_offload_units": self.activation_offload_units} if self.activation_offload_units \
+            else out
 
     def _placement_json(self) -> dict:
         """The placement itself, where something is offloaded: the legacy keys above say it for the host tier (and
@@ -177,7 +183,7 @@ class Plan:
                    float(obj.get("memory_gb", 0)), float(obj.get("predicted_peak_gb", 0)),
                    obj.get("memory_profile", ""), layers, _placement_of(obj), float(obj.get("host_gb", 0.0)),
                    str(obj.get("host_optimizer", "torch")), int(obj.get("mlp_tiles", 1)),
-                   int(obj.get("logits_tiles", 1)))
+                   int(obj.get("logits_tiles", 1)), int(obj.get("activation_offload_units", 0)))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
@@ -240,12 +246,25 @@ def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, 
     host = offload.host
     off_s = (offload_exposed(units, placement, layout, train, host, fwd, train.grad_accum * (fwd + bwd) - fwd)
              if placement.n_units else 0.0)
-    return Evaluation(layout, ckpt_units, memory(model, train, mem, topo, layout, ckpt_units, activations, placement),
-                      colls,
-                      recompute, mem.capacity_gb,
-                      optimizer_seconds(model, train, layout.os.size, compute, placement.units_of("os")), objective,
-                      exposed, model.num_layers, placement, off_s,
-                      host.capacity_gb if host is not None else float("inf"), len(units))
+
+    def at(act_units: int) -> Evaluation:
+        mb = memory(model, train, mem, topo, layout, ckpt_units, activations, placement, act_units)
+        act_s = (activation_offload_seconds(mb.activation_host_gb * 2**30 / act_units, act_units, host, fwd, bwd,
+                                            model.num_layers, train.grad_accum) if act_units else 0.0)
+        return Evaluation(layout, ckpt_units, mb, colls, recompute, mem.capacity_gb,
+                          optimizer_seconds(model, train, layout.os.size, compute, placement.units_of("os")),
+                          objective, exposed, model.num_layers, placement, off_s,
+                          host.capacity_gb if host is not None else float("inf"), len(units),
+                          act_offload_units=act_units, act_offload_s=act_s)
+
+    wanted = train.activation_offload
+    if host is None or not wanted or not ckpt_units:
+        return at(0)
+    if wanted is not True:  # a number: that many, of the checkpointed units there are
+        return at(min(wanted, ckpt_units))
+    if ckpt_units <= UPLOADED_LAYERS:  # fewer than that save nothing: every one is back on the device at the peak
+        return at(0)
+    return fewest_offloaded(at, [0, *range(UPLOADED_LAYERS + 1, ckpt_units + 1)])[0]
 
 
 def check_profile_covers(topo: Topology, layouts, table: ProfileTable) -> None:
@@ -261,7 +280,8 @@ def _describe_ckpt(e: Evaluation) -> str:
     p = e.placement
     off = (f"{' and' if ck else ' with'} the {p.placed()} of {p.n_units} of {e.num_units} units {p.where()}"
            if p.n_units else "")
-    return ck + off
+    act = f", the inputs of {e.act_offload_units} of them on the host" if e.act_offload_units else ""
+    return ck + act + off
 
 
 def best_placement(evals: list) -> Evaluation:
@@ -327,7 +347,7 @@ def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec
     return Plan(topo, e.layout, e.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
                 model.name, table.source, e.comm_s, e.memory.total_gb, e.memory.allocated_gb,
                 e.memory.activation_source, model.num_layers, e.placement, e.memory.host_gb,
-                host_optimizer_of(host, e.placement), train.mlp_tiles, train.logits_tiles)
+                host_optimizer_of(host, e.placement), train.mlp_tiles, train.logits_tiles, e.act_offload_units)
 
 
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,

@@ -36,6 +36,10 @@ class TrainingSpec:
     # many sequence tiles at a time (1: whole)
     mlp_tiles: int = 1
     logits_tiles: int = 1
+    # activation offload (issue 60; ``plan.sequence``): True: the solver holds the inputs of the fewest checkpointed
+    # layer units that make a plan fit in host memory; False: of none; a number: of that many (at most every
+    # checkpointed one)
+    activation_offload: Union[bool, int] = False
 
     def __post_init__(self) -> None:
         _positive_int("--seq-len", self.seq_len)
@@ -48,6 +52,9 @@ class TrainingSpec:
         ck = self.activation_checkpointing
         if ck is not None and not isinstance(ck, bool) and (not isinstance(ck, int) or ck < 0):
             raise PlanError(f"activation_checkpointing: {ck!r} is not true, false, null or a number of units >= 0")
+        ao = self.activation_offload
+        if not isinstance(ao, bool) and (not isinstance(ao, int) or ao < 0):
+            raise PlanError(f"activation_offload: {ao!r} is not true, false or a number of layer units >= 0")
         _positive_int("mlp_tiles", self.mlp_tiles)
         _positive_int("logits_tiles", self.logits_tiles)
         if self.optimizer not in OPTIMIZER_STATE_BYTES:

@@ -182,6 +182,15 @@ def _tiling(key, value):
     return (value.get("mlp", 1), value.get("logits", 1))
 
 
+def _activation_offload(key, value):
+    """"auto", false, or a number of checkpointed layer units (>= 0) whose inputs wait on the host."""
+    if value == "auto" or value is False:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        _bad(key, value, "\"auto\", false or a number of checkpointed layer units >= 0")
+    return value
+
+
 def _offload(key, value):
     """\"auto\", false, or the fixed form {"os": "cpu", "os_fraction": f, "g": "cpu" | "gpu", "p": "cpu" | "auto" |
     "gpu"}, as an ``OffloadChoice`` (parameters "gpu" unless asked)."""
@@ -223,12 +232,12 @@ def _rule(default, rule: Callable, doc: str, shown: Optional[str] = None):
 @dataclass(frozen=True)
 class LinsConfig:
     enabled: bool = _rule(True, _boolean, "`false` hands the config to DeepSpeed untouched")
-    plan: object = _rule("solve", _plan, "`\"solve\"`, `\"tune\"` (solve, then time the best candidates on the first "
-                         "training steps and keep the fastest; see `tune`), or fixed factors `{\"p\": [intra, inter], \"g\": [...], \"os\": "
+    plan: object = _rule("solve", _plan, "`\"solve\"`, `\"tune\"` (time the solver's best candidates on the first "
+                         "steps, keep the fastest; see `tune`), or fixed factors `{\"p\": [intra, inter], \"g\": [...], \"os\": "
                          "[...]}`; `\"all\"` is the whole dimension (`\"os\": [\"all\", \"all\"]` is ZeRO-1's OS)")
     tune: TuneSpec = _rule(TuneSpec(), _tune, "`\"plan\": \"tune\"`: candidates; steps each "
-                           "(`warmup_steps` untimed), more till the median's 95 % interval is +-`precision`, "
-                           "`max_steps` each; cache the pick",
+                           "(`warmup_steps` untimed), more till timed to +-`precision`, `max_steps` at most; cache "
+                           "the pick",
                            "`{\"candidates\": 3, \"steps\": 3, \"precision\": 0.03, \"max_steps\": 12, "
                            "\"warmup_steps\": 2, \"cache\": true}`")
     gpus_per_node: Optional[int] = _rule(None, _optional(_positive_int),
@@ -267,8 +276,8 @@ class LinsConfig:
     overlap_param_sync: bool = _rule(True, _boolean, "the P-sync after the update overlaps the next forward; "
                                      "`false` waits in `step()`")
     sharded_load: Optional[bool] = _rule(None, _optional(_boolean),
-                                         "under a Lins `TrainingArguments`, `from_pretrained` loads sharded (`true`) or "
-                                         "whole (`false`); `null`: sharded where whole copies do not fit the host")
+                                         "`from_pretrained` under a Lins `TrainingArguments`: sharded (`true`), whole "
+                                         "(`false`), `null`: sharded if whole copies do not fit the host")
     init: str = _rule("eager", _one_of(("eager", "per_module")), "values of a model built under `lins_ds.init`: "
                       "the eager build's, or `\"per_module\"` (each module's init, seeded by its name; faster)")
     offload: OffloadChoice = _rule(OFFLOAD_AUTO, _offload,
@@ -276,6 +285,8 @@ class LinsConfig:
                            "`{\"os\": \"cpu\", \"os_fraction\": f, \"g\": \"cpu\", \"p\": \"cpu\"}`", "`\"auto\"`")
     tiling: object = _rule("auto", _tiling, "sequence tiling of the MLPs and of the logits + loss: `\"auto\"` (only "
                            "where nothing fits untiled), `false`, or `{\"mlp\": 4, \"logits\": 8}`")
+    activation_offload: object = _rule("auto", _activation_offload, "checkpointed layers' inputs on the host: "
+                                       "`\"auto\"` (fewest that fit, where nothing fits without), `false`, or a count")
     host_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib),
                                             "host memory offload may pin per node (GiB)", "what is free")
     host_optimizer: str = _rule("auto", _one_of(("auto", "torch", "deepspeed")),
@@ -313,7 +324,8 @@ class LinsConfig:
         return Layout(f["p"], f["g"], f["os"])
 
 
-AUTO_ALLOWED = ("lins.offload", "lins.offload.g", "lins.offload.p", "lins.host_optimizer", "lins.tiling")
+AUTO_ALLOWED = ("lins.offload", "lins.offload.g", "lins.offload.p", "lins.host_optimizer", "lins.tiling",
+                "lins.activation_offload")
 
 
 def _find_auto(obj, path="lins"):

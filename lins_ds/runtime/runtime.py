@@ -60,7 +60,7 @@ def runs_differently(a: Plan, b: Plan) -> bool:
     """Whether two plans execute differently (not only in what they predict)."""
     def key(p):
         return (p.topology, p.layout, p.activation_checkpointing_units, p.placement, p.host_optimizer, p.mlp_tiles,
-                p.logits_tiles)
+                p.logits_tiles, p.activation_offload_units)
     return key(a) != key(b)
 
 
@@ -80,6 +80,7 @@ class LinsRuntime(FullValues):
         self._accum_dtype, self._reduce_dtype, self._unit_modules = accum_dtype, reduce_dtype, unit_modules
         self._check_collectives = check_collectives
         self._checkpointing = checkpointing
+        self._act_offload = None  # the checkpointed layers' inputs on the host (its pool outlives a plan without)
         self._checks = 0
         self._forward_only = forward_only
         self._group_of = {}
@@ -136,10 +137,18 @@ class LinsRuntime(FullValues):
 
     def _set_recompute(self, plan: Plan) -> None:
         """What the plan recomputes in the backward: its activation checkpointing on the layer modules, where Lins
-        decides it (``checkpointing``), and its sequence tiling of the model's MLPs and logits (``step/tiling.py``;
-        taken off where the plan has none)."""
-        if self._checkpointing is not None:
-            recompute.apply(self.layer_modules(), plan.activation_checkpointing_units, keep_own=self._checkpointing)
+        decides it (``checkpointing``), with the first ``activation_offload_units`` checkpointed layers' inputs held on
+        the host (where the model checkpoints by itself, its own units), and its sequence tiling of the model's MLPs
+        and logits (``step/tiling.py``; taken off where the plan has none)."""
+        k, offloaded = plan.activation_checkpointing_units, plan.activation_offload_units
+        if self._checkpointing is not None or offloaded or self._act_offload is not None:
+            keep_own = self._checkpointing if self._checkpointing is not None else True
+            layers = self.layer_modules()
+            first = recompute.checkpointed(layers, k, keep_own)[:offloaded]
+            in_use = recompute.apply(layers, k, keep_own=keep_own, offload_layers=first, offload=self._act_offload)
+            self._act_offload = in_use or self._act_offload
+            if in_use is None and self._act_offload is not None:
+                self._act_offload.trim()  # no plan of this length holds inputs there now
         if plan.mlp_tiles > 1 or plan.logits_tiles > 1:
             tiling.apply_tiling(self._module, plan.mlp_tiles, plan.logits_tiles)
         else:
@@ -360,6 +369,11 @@ class LinsRuntime(FullValues):
     @property
     def destroyed(self) -> bool:
         return self._groups.destroyed
+
+    def activation_offload_stats(self):
+        """What activation offload holds and has done (``activation_offload.OffloadStats``); None where the plan
+        offloads no layer's inputs."""
+        return self._act_offload.stats() if self._plan.activation_offload_units and self._act_offload else None
 
     def partitions_params(self) -> bool:
         """Whether some unit's parameters are split over ranks (a full read gathers: every rank must take part)."""

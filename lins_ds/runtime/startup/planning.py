@@ -224,13 +224,14 @@ def solve_context(facts: LaunchFacts, cfg: LinsConfig, ckpt=None, table: Optiona
                   offload: Optional[OffloadSpec] = None, seq_len: int = 0, tiles: tuple = (1, 1)) -> SolveContext:
     """The solver's inputs for this launch's model, batch, dtypes, optimizer and device (``offload``: one rung of
     ``offload_rungs``; ``seq_len``: the length to size for, else ``start_seq_len``'s; ``tiles``: one rung of
-    ``tiling_rungs``, (MLP tiles, logits tiles))."""
+    ``tiling_rungs``, (MLP tiles, logits tiles[, activation offload]))."""
     module, topo = facts.module, facts.topology
     model = _model_spec(module, cfg)
     train = TrainingSpec(seq_len or start_seq_len(module, cfg)[0], facts.micro_batch, facts.grad_accum,
                          facts.param_dtype, dtypes.name_of(facts.accum_dtype), cfg.grad_reduce_dtype,
                          activation_checkpointing=ckpt, optimizer_per_unit=steps_per_parameter(facts.optimizer),
-                         mlp_tiles=tiles[0], logits_tiles=tiles[1])
+                         mlp_tiles=tiles[0], logits_tiles=tiles[1],
+                         activation_offload=tiles[2] if len(tiles) > 2 else False)
     device = facts.device
     table = table or _timing_table(cfg, topo, model, train, device)
     acts, acts_note = activation_profile(module, cfg, train, device)
@@ -290,7 +291,7 @@ def fixed_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int =
         raise LinsConfigError(f"lins.activation_checkpointing: {k} layer units, but the model has {n}")
     plan = Plan(topo, layout, k, facts.param_dtype, dtypes.name_of(facts.accum_dtype),
                 model=type(facts.module).__name__, profile_source="fixed in config", num_layers=n,
-                mlp_tiles=tiles[0], logits_tiles=tiles[1])
+                mlp_tiles=tiles[0], logits_tiles=tiles[1], activation_offload_units=_fixed_offload(tiles, k))
     summary = _fixed_summary(plan)
     spec = offload if offload is not None else OffloadSpec()
     if spec.mode == "fixed":
@@ -314,7 +315,8 @@ def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
     check_placement(context.offload, layout, context.topo)
     e = context.fewest_offloaded(layout, k) if context.offload.mode != "off" else context.evaluate(layout, k)
     if e.memory.host_gb > e.host_capacity_gb:
-        raise LinsConfigError(f"lins.offload: the fixed plan's offloaded optimizer state needs {_gib(e.memory.host_gb)} "
+        raise LinsConfigError(f"lins.offload: the fixed plan's offloaded state and activations need "
+                              f"{_gib(e.memory.host_gb)} "
                               f"GiB of host memory per rank, {_gib(e.host_capacity_gb)} GiB available "
                               "(lins.host_memory_gb / ranks per node)")
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
@@ -343,13 +345,24 @@ class NoPlanFits(LinsConfigError):
 
 
 def tiling_rungs(cfg: LinsConfig, module: torch.nn.Module) -> list:
-    """lins.tiling's rungs (``plan.sequence.rungs``: "auto" offers tiling only where no plan fits untiled, and only
-    for a model ``runtime.step.tiling`` can tile; a fixed tiling is its one rung, refused for another model)."""
+    """lins.tiling's and lins.activation_offload's rungs (``plan.sequence.rungs``: "auto" offers tiling only where no
+    plan fits untiled, and only for a model ``runtime.step.tiling`` can tile; a fixed tiling is its one rung, refused
+    for another model; then activation offload, where Lins solves the plan)."""
     why = tiling.unsupported(module)
     if isinstance(cfg.tiling, tuple) and cfg.tiling != (1, 1) and why:
         raise LinsConfigError(f"lins.tiling: {cfg.tiling[0]} MLP and {cfg.tiling[1]} logits tiles, but "
                               f"{why.removeprefix('lins: ')}")
-    return sequence.rungs(cfg.tiling, not why)
+    act = cfg.activation_offload  # a fixed layout offloads a fixed number of layers' inputs, never "auto"'s fewest
+    return sequence.rungs(cfg.tiling, not why, act if cfg.solve or act != "auto" else False)
+
+
+def with_host(spec: OffloadSpec, activation_offload, host: "HostProbe") -> OffloadSpec:
+    """``spec`` with a host to hold offloaded activations where the rung asks for activation offload and the offload
+    rung has none (GPU-resident states): the measured one (``HostProbe``), else this host's memory with the link
+    assumed (a CPU device, where the copies are plain ones)."""
+    if not activation_offload or spec.host is not None:
+        return spec
+    return dataclasses.replace(spec, host=host() or HostSpec(host_capacity_gb(host.cfg), source="assumed"))
 
 
 def _tiling_note(plan: Plan, cfg: LinsConfig) -> str:
@@ -372,9 +385,10 @@ def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
     build = solve_plan if cfg.solve else fixed_plan
     host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype))
 
-    def tiled(mlp: int, logits: int) -> tuple:
+    def tiled(mlp: int, logits: int, act) -> tuple:
         def attempt(spec: OffloadSpec) -> tuple:
-            plan, summary, context = build(facts, cfg, spec, seq_len=seq_len, tiles=(mlp, logits))
+            spec = with_host(spec, act, host)
+            plan, summary, context = build(facts, cfg, spec, seq_len=seq_len, tiles=(mlp, logits, act))
             fits = cfg.solve or context is None or plan.memory_gb <= context.mem.capacity_gb
             return (plan, summary + _tiling_note(plan, cfg), context), fits
         return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
@@ -438,12 +452,13 @@ def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, 
     inferred = cfg.seq_len is None
     host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), context.offload.host)
 
-    def tiled(mlp: int, logits: int) -> tuple:
-        train = sequence.tiled(context.train, mlp, logits)
-        fixed = dataclasses.replace(plan, mlp_tiles=mlp, logits_tiles=logits)
+    def tiled(mlp: int, logits: int, act) -> tuple:
+        train = sequence.tiled(context.train, mlp, logits, act)
+        fixed = dataclasses.replace(plan, mlp_tiles=mlp, logits_tiles=logits, activation_offload_units=_fixed_offload(
+            (mlp, logits, act), plan.activation_checkpointing_units))
 
         def attempt(spec: OffloadSpec) -> tuple:
-            ctx = dataclasses.replace(context, offload=spec, train=train)
+            ctx = dataclasses.replace(context, offload=with_host(spec, act, host), train=train)
             out = solved(ctx, inferred) if cfg.solve else fixed_predicted(ctx, fixed, _fixed_summary(fixed))
             return (out[0], out[1] + _tiling_note(out[0], cfg), out[2]), \
                 cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
@@ -452,10 +467,18 @@ def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, 
     return sequence.walk(tiling_rungs(cfg, facts.module), tiled, (NoPlanFits,))
 
 
+def _fixed_offload(tiles: tuple, ckpt_units: int) -> int:
+    """A fixed layout's activation offload: lins.activation_offload's number of layers, of those it checkpoints."""
+    act = tiles[2] if len(tiles) > 2 else False
+    return min(act, ckpt_units) if not isinstance(act, bool) else 0
+
+
 def _fixed_summary(plan: Plan) -> str:
     k, n = plan.activation_checkpointing_units, plan.num_layers
     return (f"Lins plan (fixed in config) on {plan.topology.nodes} node(s) x {plan.topology.gpus_per_node}: "
-            f"{plan.layout}" + (f", {k} of {n} layer units checkpointed" if k else ""))
+            f"{plan.layout}" + (f", {k} of {n} layer units checkpointed" if k else "")
+            + (f", the inputs of {plan.activation_offload_units} of them held on the host"
+               if plan.activation_offload_units else ""))
 
 
 def agree_on_plan(plan: Plan, check_collectives: bool = False, settings: Optional[dict] = None) -> bool:

@@ -103,6 +103,12 @@ def disabled(module: nn.Module):
             _set(module, True, func)
 
 
+def checkpointed(layer_modules: list, k: int, keep_own: bool = False) -> list:
+    """The layer units ``apply`` checkpoints for ``k`` and ``keep_own``, in order."""
+    own = checkpointed_units(layer_modules)
+    return sorted(own) if keep_own and len(own) == k else list(range(k))
+
+
 def apply(layer_modules: list, k: int, keep_own: bool = False, offload_layers: Iterable[int] = (),
           offload: Optional[ActivationOffload] = None) -> Optional[ActivationOffload]:
     """Checkpoint ``k`` layer units (each a list of modules), not the others: the first ``k``, or with ``keep_own``
@@ -111,8 +117,7 @@ def apply(layer_modules: list, k: int, keep_own: bool = False, offload_layers: I
 
     ``offload_layers``: the checkpointed units whose saved inputs are held on the host (``offload``'s, a new
     ``ActivationOffload`` without one); returns the ``ActivationOffload`` in use, None where no unit is offloaded."""
-    own = set(checkpointed_units(layer_modules))
-    units = own if keep_own and len(own) == k else set(range(k))
+    units = set(checkpointed(layer_modules, k, keep_own))
     offloaded = _offloaded(offload_layers, units, len(layer_modules))
     if offloaded and offload is None:
         offload = ActivationOffload()
