@@ -7,10 +7,12 @@
 #   plain   the plain PyTorch loop (bench/plain.py) at each length until it runs out of memory
 #   untiled Lins with "tiling": false
 #   tiled   Lins with "tiling": "auto"
+#   alst    DeepSpeed's ALST single-GPU recipe (bench/alst.py, ds_configs/alst_offload.json): ZeRO-3 with parameters and
+#           optimizer on the host, TiledMLP, tiled logits+loss, checkpointing with its inputs on the host, and the
+#           recipe's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #   plan    `lins-ds plan --longest` for the same model and card, tiled and not (no GPU work)
 # LENGTHS (default "8192 16384 32768 65536 131072") picks the lengths. Writes $OUT/<part>_<len>.json/.log and
 # $OUT/long_context.json (per run: rc, median step, tokens/s, predicted and measured peak, the plan's tiles).
-# Not here yet: DeepSpeed's ALST recipe (ZeRO-3 offload, TiledMLP, tiled loss, checkpoint offload), issue 60's baseline.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -25,10 +27,10 @@ run() {  # run <name> <timeout s> <bench.train args...>
   timeout "$limit" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 500)) -m bench.train "${M[@]}" \
     --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
   echo "rc $?" >> "$OUT/$name.log"
-  grep -E "^step|sequence tiling|checkpointed|on the host|lins memory|OutOfMemory|NoPlanFits|rc " \
+  grep -E "^step|^alst:|sequence tiling|checkpointed|on the host|lins memory|OutOfMemory|NoPlanFits|rc " \
     "$OUT/$name.log" | tail -8 | tee -a "$OUT/log.txt"
 }
-parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(plan plain untiled tiled)
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(plan plain untiled tiled alst)
 for part in "${parts[@]}"; do
   for n in ${LENGTHS:-8192 16384 32768 65536 131072}; do
     case $part in
@@ -36,6 +38,8 @@ for part in "${parts[@]}"; do
       untiled) run "untiled_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs \
                  --ds-set 'lins.tiling=false' ;;
       tiled) run "tiled_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs ;;
+      alst) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+              run "alst_$n" 400 --alst --deepspeed_config ds_configs/alst_offload.json --seq-len "$n" ;;
       plan) for t in off auto; do
               python3 -m lins_ds.cli plan --model bench/models/hub-llama3-8b.json --nodes 1 --gpus-per-node 1 \
                 --gpu-memory-gb "$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)')" \
@@ -60,7 +64,8 @@ for f in sorted(glob.glob(os.path.join(out, "*_*.json"))):
     rows.append({"run": name, "seq_len": r.get("seq_len"), "median_step_s": r.get("median_step_s"),
                  "tokens_per_s": r.get("tokens_per_gpu_s"), "measured_peak_gb": r.get("peak_memory_gb"),
                  "predicted_peak_gb": plan.get("predicted_peak_gb"), "mlp_tiles": plan.get("mlp_tiles", 1),
-                 "logits_tiles": plan.get("logits_tiles", 1), "offload_units": plan.get("offload_units")})
+                 "logits_tiles": plan.get("logits_tiles", 1), "offload_units": plan.get("offload_units"),
+                 "host_peak_gb": (r.get("host_memory") or {}).get("peak_gb"), "alst": r.get("alst")})
 for row in rows:
     print(row)
 json.dump(rows, open(os.path.join(out, "long_context.json"), "w"), indent=1)

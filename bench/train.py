@@ -14,6 +14,7 @@ ZeRO++ and MiCS build the model under their own init context, Lins under ``lins_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "partitioned parameter is read inside GatheredParameters, one at a time")
     p.add_argument("--plain", action="store_true", help="no engine: a plain PyTorch loop (bench/plain.py) with the "
                    "config's batch, accumulation, clipping and AdamW; one process, a config without a lins block")
+    p.add_argument("--alst", action="store_true", help="DeepSpeed's ALST single-GPU recipe (bench/alst.py): TiledMLP, "
+                   "the tiled logits+loss, checkpointing on every layer and its inputs offloaded to the host; with "
+                   "ds_configs/alst_offload.json (ZeRO-3, parameters and optimizer on the host)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1)
@@ -78,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.deepspeed_config:
         p.error("--deepspeed_config is required")
+    args.checkpointing = args.checkpointing or args.alst  # ALST checkpoints every layer
     for item in args.ds_set:
         key, eq, value = item.partition("=")
         try:
@@ -165,6 +170,8 @@ def build_engine(args, ds_config: dict, device: torch.device):
     if args.plain and ("lins" in ds_config or (ds_config.get("zero_optimization") or {}).get("stage", 0)):
         raise SystemExit(f"--plain: {args.deepspeed_config} has a lins block or a ZeRO stage; the plain loop takes a "
                          "config without either (ds_configs/zero0.json)")
+    if args.alst:
+        from . import alst  # before the model is built: see its imports
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with model_init_context(ds_config, device):
@@ -174,6 +181,8 @@ def build_engine(args, ds_config: dict, device: torch.device):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.alst:
+        alst.patch(model)  # the loss is computed in the forward, tiled: engine(...).loss as for every part
     if args.plain:
         from .plain import PlainLoop
 
@@ -207,6 +216,9 @@ def train(args, engine, model, device) -> tuple:
     losses, times, ends, breakdown, tracer, memory = [], [], [], [], trace(args, rank, cuda), Memory(cuda)
     reads, host_steps = [], []
     memory.mark("after deepspeed.initialize")
+    if args.alst:
+        from .alst import offload
+    step_context = offload(model) if args.alst else contextlib.nullcontext()  # around every forward+backward
     for step in range(args.steps):
         if tracer is not None and step == args.warmup_steps:
             tracer.__enter__()
@@ -217,14 +229,15 @@ def train(args, engine, model, device) -> tuple:
         clock = Phases(args.breakdown and cuda)
         for micro in range(gas):
             x = next(data)
-            out = engine(input_ids=x, labels=x)
-            loss = out.loss
-            if not args.hold_outputs:  # HF Trainer's loop: the logits go before the backward
-                del out
-            clock.lap("forward")
-            memory.mark(f"forward {micro}") if step == 0 else None
-            engine.backward(loss)
-            out = None
+            with step_context:
+                out = engine(input_ids=x, labels=x)
+                loss = out.loss
+                if not args.hold_outputs:  # HF Trainer's loop: the logits go before the backward
+                    del out
+                clock.lap("forward")
+                memory.mark(f"forward {micro}") if step == 0 else None
+                engine.backward(loss)
+                out = None
             clock.lap("backward")
             memory.mark(f"backward {micro}") if step == 0 else None
             engine.step()
@@ -241,6 +254,8 @@ def train(args, engine, model, device) -> tuple:
         ends.append(time.time())
         losses.append(total.item() / world)
         host_steps.append(host_step(engine, host_steps))
+        if rank == 0 and args.alst and step == 0:
+            print(f"alst: {alst_report(model)}", flush=True)
         if rank == 0:
             print(f"step {step + 1:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:8.1f} ms"
                   + (f"  host waited {host_steps[-1]['waited_s']:.3f} s" if host_steps[-1] else ""), flush=True)
@@ -376,7 +391,14 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
         "reads_after_step": getattr(train, "reads", None) or None,  # --read-after-step
         "host_steps": getattr(train, "host_steps", None) if any(getattr(train, "host_steps", None) or []) else None,
         "planned_seq_len": lins_seq(engine),
+        "alst": alst_report(engine.module) if args.alst else None,
     }
+
+
+def alst_report(model):
+    from .alst import report
+
+    return report(model)
 
 
 def lins_seq(engine):
