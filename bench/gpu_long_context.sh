@@ -6,7 +6,9 @@
 # (the default) or false, lins.seq_len fixed at each length. Parts (all by default; each a list of lengths):
 #   plain   the plain PyTorch loop (bench/plain.py) at each length until it runs out of memory
 #   untiled Lins with "tiling": false
-#   tiled   Lins with "tiling": "auto"
+#   tiled   Lins with "tiling": "auto" (and "activation_offload": "auto", the default)
+#   act     Lins with "activation_offload": ACT_LAYERS (16 by default) fixed: the inputs of that many checkpointed layers
+#           on the host whether needed or not (the memory model and the runtime's copies measured at any length)
 #   alst    DeepSpeed's ALST single-GPU recipe (bench/alst.py, ds_configs/alst_offload.json): ZeRO-3 with parameters and
 #           optimizer on the host, TiledMLP, tiled logits+loss, checkpointing with its inputs on the host, and the
 #           recipe's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -27,7 +29,7 @@ run() {  # run <name> <timeout s> <bench.train args...>
   timeout "$limit" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 500)) -m bench.train "${M[@]}" \
     --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
   echo "rc $?" >> "$OUT/$name.log"
-  grep -E "^step|^alst:|sequence tiling|checkpointed|on the host|lins memory|OutOfMemory|NoPlanFits|rc " \
+  grep -E "^step|^alst:|sequence tiling|activation offload|checkpointed|on the host|lins memory|OutOfMemory|NoPlanFits|rc " \
     "$OUT/$name.log" | tail -8 | tee -a "$OUT/log.txt"
 }
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(plan plain untiled tiled alst)
@@ -38,6 +40,8 @@ for part in "${parts[@]}"; do
       untiled) run "untiled_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs \
                  --ds-set 'lins.tiling=false' ;;
       tiled) run "tiled_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs ;;
+      act) run "act_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs \
+             --ds-set "lins.activation_offload=${ACT_LAYERS:-16}" ;;
       alst) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
               run "alst_$n" 400 --alst --deepspeed_config ds_configs/alst_offload.json --seq-len "$n" ;;
       plan) for t in off auto; do
@@ -65,7 +69,8 @@ for f in sorted(glob.glob(os.path.join(out, "*_*.json"))):
                  "tokens_per_s": r.get("tokens_per_gpu_s"), "measured_peak_gb": r.get("peak_memory_gb"),
                  "predicted_peak_gb": plan.get("predicted_peak_gb"), "mlp_tiles": plan.get("mlp_tiles", 1),
                  "logits_tiles": plan.get("logits_tiles", 1), "offload_units": plan.get("offload_units"),
-                 "host_peak_gb": (r.get("host_memory") or {}).get("peak_gb"), "alst": r.get("alst")})
+                 "host_peak_gb": (r.get("host_memory") or {}).get("peak_gb"), "alst": r.get("alst"),
+                 "activation_offload": r.get("activation_offload"), "rc_ok": r.get("median_step_s") is not None})
 for row in rows:
     print(row)
 json.dump(rows, open(os.path.join(out, "long_context.json"), "w"), indent=1)

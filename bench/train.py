@@ -360,6 +360,17 @@ def offload_summary(engine, steps: int):
             "grads_waited_s_per_step": stats["grads_waited_s"] / max(1, steps)}
 
 
+def activation_offload_summary(engine):
+    """Lins with activation offload: the layers offloaded, the host memory their inputs hold, what came back ahead."""
+    rt = getattr(engine, "lins", None)
+    stats = rt.activation_offload_stats() if rt is not None else None
+    if stats is None:
+        return None
+    return {"units": rt.plan.activation_offload_units, "predicted_host_gb": rt.plan.host_gb,
+            "pool_gb": stats.pool_bytes / 2**30, "offloaded": stats.offloaded, "prefetched": stats.prefetched,
+            "on_demand": stats.on_demand}
+
+
 def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) -> dict:
     from deepspeed import comm as dist
 
@@ -387,6 +398,7 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
         "losses": losses, "step_times_s": times,
         "plan": lins.plan.to_json() if lins is not None else None,
         "offload": offload_summary(engine, len(times)),
+        "activation_offload": activation_offload_summary(engine),
         "tune": getattr(engine, "lins_tune_report", None),  # "plan": "tune": every candidate, predicted and measured
         "reads_after_step": getattr(train, "reads", None) or None,  # --read-after-step
         "host_steps": getattr(train, "host_steps", None) if any(getattr(train, "host_steps", None) or []) else None,

@@ -399,6 +399,8 @@ class LinsRuntime(FullValues):
         if self._host.grads is not None:
             self._host.grads.ends_window = self._progress.ends_window
         self._executor.begin_backward()
+        if self._plan.activation_offload_units:  # the last offloaded layer's inputs come up beside the head's backward
+            self._act_offload.prefetch_newest()
 
     def end_backward(self) -> None:
         """Reduce what is left, in order; at a window's end the replica AllReduces are all in flight."""
