@@ -231,3 +231,19 @@ def test_a_budget_below_the_card_caps_the_allocator(monkeypatch):
     got.pop()
     assert memory_guard.cap_allocator(None, cuda) is None and memory_guard.cap_allocator(140.0, cuda) is None
     assert memory_guard.cap_allocator(80.0, torch.device("cpu")) is None and len(got) == 1
+
+
+def test_the_probe_measures_a_long_sequence_at_a_length_whose_head_fits(monkeypatch):
+    """A 64k-token Llama-3 head needs 31 GiB for the loss's fp32 copy alone: measured at full length beside the model,
+    the probe ran out of memory where the plan fitted (one H100, Llama-3-8B widths, lins.gpu_memory_gb 79). The probe
+    halves the length until the head's seq x vocab tensors take at most half the free memory; the fitted profile
+    scales back to the length planned for."""
+    from lins_ds.runtime.memory import memory_probe
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (26 * 2**30, 80 * 2**30))
+    n = memory_probe.probe_length(65536, 1, 128256, cuda)
+    assert n == 4096 and n * 128256 * memory_probe.HEAD_BYTES_PER_LOGIT <= 13 * 2**30 < 2 * n * 128256 * 14
+    assert memory_probe.probe_length(2048, 1, 128256, cuda) == 2048  # fits: measured as asked
+    assert memory_probe.probe_length(65536, 1, 128256, torch.device("cpu")) == 65536  # no device memory to run out of
+    assert memory_probe.probe_length(64, 4, 10**9, cuda) == 16  # never below what the fit of two lengths needs

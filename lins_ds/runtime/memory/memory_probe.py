@@ -238,7 +238,10 @@ def probe(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab:
     """Measure ``model`` (a causal LM taking ``input_ids`` and ``labels``) whose layer units are ``layers``, at
     ``seq_len`` and at half of it, and split each term into its linear and quadratic parts in the length
     (``plan.memory.fitted``): eager attention keeps seq x seq tensors, and a re-size for a longer batch must grow
-    them as the square of the length, not linearly."""
+    them as the square of the length, not linearly. A length whose logits would not fit beside what the device holds
+    already is measured at the longest half, quarter, ... that does (``probe_length``): the fitted profile scales to
+    the length asked for, as it does for every re-size."""
+    seq_len = probe_length(seq_len, micro_batch, vocab, device)
     at_full = _probe_once(model, layers, micro_batch, seq_len, vocab, device)
     half = seq_len // 2
     if half < SHORTEST_FIT_SEQ:
@@ -247,6 +250,21 @@ def probe(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab:
 
 
 SHORTEST_FIT_SEQ = 8  # below this the two lengths are too close to constant buffers to split the terms
+HEAD_BYTES_PER_LOGIT = 2 + 4 + 4 + 4  # the logits (bf16), the loss's fp32 copy, its log-softmax and their gradient
+PROBE_SHARE = 0.5  # of the device memory free, what the probe's head may take
+
+
+def probe_length(seq_len: int, micro_batch: int, vocab: int, device: torch.device) -> int:
+    """The length the probe measures at: ``seq_len``, halved while the head's seq x vocab tensors at that length
+    would take more than ``PROBE_SHARE`` of the device memory free now (a 64k-token Llama-3 head needs 31 GiB for the
+    loss's fp32 copy alone: the probe itself ran out of memory where the plan it was measuring for fits)."""
+    if device.type != "cuda":
+        return seq_len
+    free = torch.cuda.mem_get_info(device)[0]
+    length = seq_len
+    while length // 2 >= 2 * SHORTEST_FIT_SEQ and micro_batch * length * vocab * HEAD_BYTES_PER_LOGIT > PROBE_SHARE * free:
+        length //= 2  # the fit needs this length and its half, both above SHORTEST_FIT_SEQ
+    return length
 
 
 def _probe_once(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab: int,
