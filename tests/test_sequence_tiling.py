@@ -67,17 +67,22 @@ def test_a_model_the_tiling_cannot_take_is_refused_on_every_rank_naming_the_key(
 
 def test_the_memory_model_takes_the_tiled_tensors_out_and_the_step_pays_their_recompute():
     from lins_ds.plan import load_model, sequence
-    from lins_ds.plan.memory import formula_activations, logits_bytes, mlp_bytes, tiled_activations
+    from lins_ds.plan.memory import TILED_LOSS_BYTES, formula_activations, mlp_bytes, tiled_activations
     from lins_ds.plan.spec import TrainingSpec
 
     model = load_model("llama-1b")
     train = TrainingSpec(4096, 1)
     acts = formula_activations(model, train)
     tiled = tiled_activations(acts, model, sequence.tiled(train, 4, 8))
-    mlp, logits = mlp_bytes(model, train), logits_bytes(model, train)
+    mlp = mlp_bytes(model, train)
     assert tiled.layer_saved == pytest.approx(acts.layer_saved - mlp)
     assert tiled.layer_transient == pytest.approx(acts.layer_transient - mlp * 3 / 4)
-    assert tiled.head_peak == pytest.approx(acts.head_peak - logits * 7 / 8)
+    # the head: the final hidden states and their gradient, one tile of logits, the lm_head gradient the tiles sum
+    assert tiled.head_peak == pytest.approx(2 * 4096 * model.hidden * 2 + 512 * model.vocab * TILED_LOSS_BYTES
+                                            + model.vocab * model.hidden * 2)
+    long = TrainingSpec(65536, 1)  # where tiling is planned, the head is a fraction of the untiled one
+    assert tiled_activations(formula_activations(model, long), model, sequence.tiled(long, 1, 8)).head_peak < \
+        formula_activations(model, long).head_peak / 3
     assert tiled_activations(acts, model, train) is acts  # untiled: untouched
     flops = sequence.extra_flops(model, sequence.tiled(train, 4, 8))
     assert flops == pytest.approx(4096 * (model.num_layers * 2 * 3 * model.hidden * model.intermediate

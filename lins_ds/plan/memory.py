@@ -130,6 +130,11 @@ def fitted(longer: "ActivationProfile", shorter: "ActivationProfile") -> "Activa
 QUADRATIC_NOISE = 0.01
 MLP_SAVED = {"llama": 4, "gpt2": 2}  # seq x intermediate tensors an MLP keeps for its backward, by architecture
 LOSS_BYTES = 4 + 4  # per logit, beyond the logits' own dtype: the loss's fp32 copy and its fp32 gradient
+# per logit of one tile at the tiled loss's peak (``runtime.step.tiling``: a tile's logits recomputed in the backward,
+# their fp32 copy, log-softmax and gradients): about 20 on an H100, Llama-3-8B widths, 65536 tokens in 8 tiles (the
+# run's peak less its other terms, bench/results/long_context/); the untiled loss's measured head, scaled and less
+# LOSS_BYTES x (1 - 1/tiles) per logit, over-predicted that peak by 31 %
+TILED_LOSS_BYTES = 20
 
 
 def mlp_bytes(model: ModelSpec, train: TrainingSpec) -> float:
@@ -150,10 +155,20 @@ def offloaded_input_bytes(acts: ActivationProfile, model: ModelSpec, train: Trai
     return min(acts.layer_saved_ckpt, train.tokens_per_micro_batch * model.hidden * train.param_bytes)
 
 
+def tiled_head_bytes(model: ModelSpec, train: TrainingSpec) -> float:
+    """The head's peak under logits tiling: the final hidden states and their gradient, one tile's logits at
+    ``TILED_LOSS_BYTES`` each, and the lm_head gradient the tiles accumulate."""
+    tokens = train.tokens_per_micro_batch
+    tile = -(-tokens // train.logits_tiles)
+    return (2 * tokens * model.hidden * train.param_bytes + tile * model.vocab * TILED_LOSS_BYTES
+            + model.vocab * model.hidden * train.param_bytes)
+
+
 def tiled_activations(acts: ActivationProfile, model: ModelSpec, train: TrainingSpec) -> ActivationProfile:
     """``acts`` (at ``train``'s tokens) under ``train``'s tiling: a layer keeps no MLP intermediates and its backward
-    works on one tile of them; the head keeps the final hidden states and works on one tile of logits. Never below
-    what stays: a layer's input, the head's hidden states."""
+    works on one tile of them; the head keeps the final hidden states and works on one tile of logits
+    (``tiled_head_bytes``, with what the model builds beside the logits that grows as the square of the length, an
+    eager model's causal masks). Never below what stays: a layer's input."""
     if train.mlp_tiles == 1 and train.logits_tiles == 1:
         return acts
     floor = train.tokens_per_micro_batch * model.hidden * train.param_bytes
@@ -163,7 +178,7 @@ def tiled_activations(acts: ActivationProfile, model: ModelSpec, train: Training
         saved = max(floor, saved - mlp)
         transient = max(0.0, transient - mlp * (1 - 1 / train.mlp_tiles))
     if train.logits_tiles > 1:
-        head = max(2 * floor, head - logits_bytes(model, train) * (1 - 1 / train.logits_tiles))
+        head = tiled_head_bytes(model, train) + acts.quadratic[3]
     return replace(acts, layer_saved=saved, layer_transient=transient, head_peak=head)
 
 
