@@ -468,9 +468,10 @@ def barrier() -> None:
     tdist.barrier()
 
 
-def all_gather_object(obj) -> list:
+def all_gather_object(obj, cpu: bool = False) -> list:
+    """Every rank's ``obj``, by rank; ``cpu``: over Lins' own gloo group (``_cpu_group``: no device work)."""
     out = [None] * world_size()
-    tdist.all_gather_object(out, obj)
+    tdist.all_gather_object(out, obj, group=_cpu_group() if cpu else None)
     return out
 
 

@@ -226,10 +226,11 @@ if __name__ == "__main__":
     print(f"{DESIGN}: import graph rewritten")
 
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "timed_collective")
 # who calls comm's collectives, and why: a unit's own, re-layout's gathers of whole units included (unit); the global
-# gradient norm and the world sums of ZeRO's full-value helpers (runtime)
-COLLECTIVE_CALLERS = {"runtime.step.unit", "runtime.runtime"}
+# gradient norm and the world sums of ZeRO's full-value helpers (runtime); the profiler's timed collectives, before
+# training (profiler.measure)
+COLLECTIVE_CALLERS = {"runtime.step.unit", "runtime.runtime", "profiler.measure"}
 
 
 AGREEMENTS = ("agree", "all_gather_object", "broadcast_object", "all_ranks_arrive", "max_over_world",
@@ -253,7 +254,16 @@ AGREEMENT_CALLERS = {
     "runtime.step.staging": "a re-layout's staging outcome on every rank",
     "runtime.switch.tune": "the slowest rank's step time, after each optimizer step",
     "runtime.switch.planner": "a cached tune decision (rank 0's), at start-up or the first batch",
+    "tools.profile_cli": "`lins-ds profile`'s ranks done measuring before the process group goes",
 }
+
+
+# torch.distributed's collectives and agreements called directly, not through comm.py: only the demo, which is a
+# user's training script (the loss it prints averaged over the ranks)
+DIRECT_CALLERS = {"tools.demo"}
+DIRECT = set(COLLECTIVES) | set(AGREEMENTS) | {"broadcast_object_list", "gather", "scatter", "all_to_all", "reduce",
+                                               "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv",
+                                               "gather_object", "scatter_object_list", "monitored_barrier"}
 
 
 def test_only_the_named_modules_agree_across_ranks():
@@ -266,6 +276,20 @@ def test_only_the_named_modules_agree_across_ranks():
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "comm"):
                 callers.add(module[len("lins_ds."):])
     assert callers == set(AGREEMENT_CALLERS), callers ^ set(AGREEMENT_CALLERS)
+
+
+def test_nothing_but_comm_calls_torch_distributed_s_collectives():
+    """One module owns collectives: a direct ``torch.distributed`` (or ``dist`` / ``tdist``) call of a collective or
+    an agreement escapes both tests above."""
+    callers = set()
+    for path, module in modules():
+        if module == "lins_ds.comm":
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in DIRECT
+                    and ast.unparse(node.func.value) in ("dist", "tdist", "torch.distributed", "deepspeed.comm")):
+                callers.add(module[len("lins_ds."):])
+    assert callers == DIRECT_CALLERS, callers ^ DIRECT_CALLERS
 
 
 def test_only_the_named_modules_issue_collectives():

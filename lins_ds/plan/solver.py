@@ -4,8 +4,8 @@ checkpointing); drop what does not fit in memory; minimise the objective. ``"ste
 user waits for: the communication left exposed after the executor's overlap, the recompute, and the optimizer
 update (each rank updates 1/s_os of the model); ``"comm"`` (the paper's, to reproduce its Table III) is all
 predicted communication plus recompute. Per layout the fewest checkpointed units that fit win (recompute only
-grows with them). Deterministic: ties go to the less sharded layout, then to the smaller layout in sort order,
-so every rank picks the same plan.
+grows with them). Deterministic: ties go to fewer offloaded units, then to the less sharded layout, then to the
+smaller layout in sort order, so every rank picks the same plan.
 """
 
 from __future__ import annotations

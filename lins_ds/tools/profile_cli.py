@@ -12,6 +12,7 @@ import torch.distributed as tdist
 from ..plan import Topology, TrainingSpec, candidates, load_model
 from ..plan.cost import model_units, required_meshes
 from ..plan.profile_table import bus_factor
+from .. import comm
 from ..comm import local_world_size, set_virtual_node
 from ..profiler import cache
 from ..profiler.measure import FULL, QUICK, measure, sizes
@@ -118,6 +119,6 @@ def run(args, measure_meta=None) -> int:
         _validate(args, table, topo, device, elapsed)
     if args.memory:
         _memory(args, device)
-    tdist.barrier()
+    comm.barrier()  # every rank done measuring before the group goes
     tdist.destroy_process_group()
     return 0

@@ -220,8 +220,7 @@ def agree(model: nn.Module, init: str = "eager") -> None:
     mat = Materializer(model, torch.device("cpu"), init=init) if deferred else None
     mine = (_signature(model), sorted(n for n, _, s in mat.info.values() if s is None) if mat else None,
             mat.seed if mat else None)
-    everyone = [None] * comm.world_size()
-    tdist.all_gather_object(everyone, mine, group=comm._cpu_group())
+    everyone = comm.all_gather_object(mine, cpu=True)
     ranks = {d: [r for r, (_, names, _) in enumerate(everyone) if (names is not None) == d] for d in (True, False)}
     how = (f"ranks {ranks[True]} built the model without values (lins_ds.init, a sharded load) and ranks "
            f"{ranks[False]} with them (an eager load)")
@@ -252,12 +251,9 @@ def _signature(model: nn.Module) -> str:
 
 def _agree_cpu(error: Optional[str]) -> Optional[str]:
     """comm.agree over the CPU group (the device may not be set yet at engine start-up)."""
-    import torch.distributed as tdist
-
     from ... import comm
 
-    everyone = [None] * comm.world_size()
-    tdist.all_gather_object(everyone, error, group=comm._cpu_group())
+    everyone = comm.all_gather_object(error, cpu=True)
     return next((e for e in everyone if e), None)
 
 

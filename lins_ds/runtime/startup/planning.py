@@ -444,7 +444,7 @@ def forward_only_plan(facts: LaunchFacts, cfg: LinsConfig) -> tuple:
 
 
 def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, plan: Plan, seq_len: int) -> tuple:
-    """(plan, summary, context) sized for ``seq_len`` from the start-up ``context``
+    """(plan, summary, context) sized for ``seq_len`` from the last plan's ``context``
     (its timing table, activation profile and offload: nothing is measured again, except the host where offload
     becomes necessary, on every rank alike). The ladder is walked from the rung the context stands on. A fixed layout
     keeps its layout and checkpointing."""

@@ -7,7 +7,7 @@ activations would not fit anywhere. Without ``lins.seq_len`` the start-up plan i
 point where no autograd graph holds the parameters, and where every rank is) all ranks agree on the longest seen,
 over a CPU group so that no device work is waited for. The first agreement sizes the plan for that length; a later
 one re-plans only where it exceeds the planned length. A re-plan that changes what runs moves the engine in memory
-(``LinsEngine.relayout``); one that does not fit fails on every rank with the length and the key. A longer batch in
+(``LinsRuntime.apply``, from the planner); one that does not fit fails on every rank with the length and the key. A longer batch in
 the middle of a window cannot wait for a move: rank 0 warns once, naming ``lins.seq_len``, and the next window
 re-plans.
 """
