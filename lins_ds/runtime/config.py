@@ -1,7 +1,7 @@
 """The ``"lins"`` block of a DeepSpeed config, parsed once into typed objects (no torch here).
 
 DeepSpeed ignores unknown top-level keys, so this block is validated here, strictly: every error
-names the key, the value and the rule, and is raised on every rank before any process group exists.
+names the key, the value and the rule, and is raised on every rank before Lins issues any collective.
 Each field of ``LinsConfig`` carries its own rule (``_rule``); the parser walks the fields.
 """
 

@@ -7,7 +7,7 @@ from ..plan import PlanError
 
 
 class LinsConfigError(PlanError):
-    """A bad ``lins`` block: raised on every rank before any process group exists."""
+    """A bad ``lins`` block: raised on every rank before Lins makes a process group or issues a collective."""
 
 
 class UnitStateError(RuntimeError):

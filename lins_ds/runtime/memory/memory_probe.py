@@ -33,6 +33,7 @@ from ... import comm
 from ...plan import PlanError
 from ...plan.memory import ActivationProfile, fitted
 from ...plan.model import from_hf_config
+from ...version import __version__
 from ..step import recompute
 
 
@@ -302,7 +303,7 @@ def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.de
             "attention": str(getattr(cfg, "_attn_implementation", None)),
             "dtype": str(next(model.parameters()).dtype), "micro_batch": micro_batch, "seq_len": seq_len,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "transformers": transformers.__version__, "lins_ds": __version__,
             "fit": "linear+quadratic in the length"}  # profiles measured at one length are not reused
 
 
