@@ -247,3 +247,47 @@ def test_the_probe_measures_a_long_sequence_at_a_length_whose_head_fits(monkeypa
     assert memory_probe.probe_length(2048, 1, 128256, cuda) == 2048  # fits: measured as asked
     assert memory_probe.probe_length(65536, 1, 128256, torch.device("cpu")) == 65536  # no device memory to run out of
     assert memory_probe.probe_length(64, 4, 10**9, cuda) == 16  # never below what the fit of two lengths needs
+
+
+def test_the_probe_splits_the_tiled_head_into_a_tile_s_bytes_per_logit_and_the_rest():
+    """Under logits tiling the head holds what grows with the tokens, one tile's logits and the lm_head gradient the
+    tiles accumulate; two tile counts separate them (``memory_probe.tiled_terms``), and the planner puts them back
+    together at any length and tile count (``memory.tiled_head_bytes``)."""
+    from lins_ds.plan import load_model
+    from lins_ds.plan.memory import tiled_activations, tiled_head_bytes
+    from lins_ds.plan.sequence import tiled
+    from lins_ds.runtime.memory import memory_probe
+
+    tokens, vocab, hidden = 4096, 1000, 64
+    weight = torch.zeros(vocab, hidden, dtype=torch.bfloat16)
+    base, per_logit = 3.0e6, 17.0
+    peaks = [base + weight.numel() * 2 + tokens * vocab * per_logit / t for t in memory_probe.TILE_COUNTS]
+    assert memory_probe.tiled_terms(peaks, tokens, weight) == pytest.approx((base, per_logit))
+
+    model = load_model("llama-1b")
+    train = TrainingSpec(4096, 1)
+    measured = ActivationProfile("measured:test", 2048, 1.0, 1.0, 1.0, 1.0, seq_len=2048,
+                                 tiled_head=(base, per_logit))
+    assert ActivationProfile.from_json(measured.to_json()) == measured
+    assert "tiled_head" not in formula_activations(model, train).to_json()  # a profile without it: as before
+    acts = measured.scaled(4096, 4096)
+    assert acts.tiled_head == (2 * base, per_logit)  # its base grows with the tokens, a logit's bytes do not
+    head = tiled_activations(acts, model, tiled(train, 1, 8)).head_peak
+    assert head == pytest.approx(2 * base + 512 * model.vocab * per_logit + model.vocab * model.hidden * 2)
+    assert head == pytest.approx(tiled_head_bytes(model, tiled(train, 1, 8), acts.tiled_head))
+
+
+def test_the_probe_measures_the_tiled_head_and_puts_the_model_s_own_tiling_back():
+    from lins_ds.runtime.memory import memory_probe
+    from lins_ds.runtime.step import tiling
+
+    model = tiny_llama()
+    tiling.apply_tiling(model, 1, 3)
+    layers = [m for m in model.model.layers]
+    tokens = torch.randint(0, 96, (2, 32))
+    out = memory_probe._tiled_head(model, layers, {"input_ids": tokens, "labels": tokens}, torch.device("cpu"),
+                                   torch.Tensor)
+    assert len(out) == 2 and all(v >= 0 for v in out)
+    assert tiling.tiling_of(model).logits_tiles == 3  # the model's tiling is back
+    assert memory_probe._tiled_head(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64)), [], {}, torch.device("cpu"), torch.Tensor) == ()

@@ -73,6 +73,10 @@ class ActivationProfile:
     grow with micro-batch x seq_len squared. ``quadratic`` holds, per field, the bytes of that second kind at the
     measured point (the probe fits both from two lengths; the formula models eager attention), so ``scaled`` never
     stretches a quadratic term linearly (``seq_len`` 0: unknown, every term scales with the tokens).
+
+    ``tiled_head`` (measured on a GPU where the model can be tiled; empty otherwise): the head under logits tiling,
+    as (bytes that grow with the tokens, at ``tokens``; bytes per logit of one tile), the lm_head gradient the tiles
+    accumulate not included (``tiled_head_bytes``).
     """
 
     source: str
@@ -83,6 +87,7 @@ class ActivationProfile:
     head_peak: float
     seq_len: int = 0
     quadratic: tuple = (0.0, 0.0, 0.0, 0.0)  # bytes of each of FIELDS that grow as micro-batch x seq_len^2
+    tiled_head: tuple = ()  # (base bytes at ``tokens``, bytes per logit of one tile): the tiled loss, measured
 
     def scaled(self, tokens: int, seq_len: int = 0) -> "ActivationProfile":
         """The same model at another micro-batch size x sequence length: the linear part of each term scales with
@@ -90,12 +95,17 @@ class ActivationProfile:
         f = tokens / self.tokens
         g = seq_len / self.seq_len if seq_len and self.seq_len else 1.0
         values = [(getattr(self, k) - q) * f + q * f * g for k, q in zip(FIELDS, self.quadratic)]
+        tiled = (self.tiled_head[0] * f, self.tiled_head[1]) if self.tiled_head else ()
         return ActivationProfile(self.source, tokens, *values, seq_len=seq_len or self.seq_len,
-                                 quadratic=tuple(q * f * g for q in self.quadratic))
+                                 quadratic=tuple(q * f * g for q in self.quadratic), tiled_head=tiled)
 
     def to_json(self) -> dict:
         out = dict(self.__dict__)
         out["quadratic"] = list(self.quadratic)
+        if self.tiled_head:  # else written as before it existed
+            out["tiled_head"] = list(self.tiled_head)
+        else:
+            del out["tiled_head"]
         return out
 
     @classmethod
@@ -103,8 +113,11 @@ class ActivationProfile:
         quad = tuple(float(q) for q in obj.get("quadratic", (0.0,) * len(FIELDS)))
         if len(quad) != len(FIELDS):
             raise ValueError(f"quadratic: {len(quad)} values, expected {len(FIELDS)}")
+        tiled = tuple(float(v) for v in obj.get("tiled_head", ()))
+        if tiled and len(tiled) != 2:
+            raise ValueError(f"tiled_head: {len(tiled)} values, expected 2")
         return cls(str(obj["source"]), int(obj["tokens"]), *(float(obj[k]) for k in FIELDS),
-                   seq_len=int(obj.get("seq_len", 0)), quadratic=quad)
+                   seq_len=int(obj.get("seq_len", 0)), quadratic=quad, tiled_head=tiled)
 
 
 def fitted(longer: "ActivationProfile", shorter: "ActivationProfile") -> "ActivationProfile":
@@ -124,7 +137,7 @@ def fitted(longer: "ActivationProfile", shorter: "ActivationProfile") -> "Activa
         q = min(max(0.0, (v1 / l1 - v2 / l2) / (l1 - l2) * l1 * l1), v1)
         quad.append(q if q > QUADRATIC_NOISE * v1 else 0.0)
     return ActivationProfile(longer.source, longer.tokens, *(getattr(longer, k) for k in FIELDS), seq_len=l1,
-                             quadratic=tuple(quad))
+                             quadratic=tuple(quad), tiled_head=longer.tiled_head)
 
 
 QUADRATIC_NOISE = 0.01
@@ -155,13 +168,15 @@ def offloaded_input_bytes(acts: ActivationProfile, model: ModelSpec, train: Trai
     return min(acts.layer_saved_ckpt, train.tokens_per_micro_batch * model.hidden * train.param_bytes)
 
 
-def tiled_head_bytes(model: ModelSpec, train: TrainingSpec) -> float:
-    """The head's peak under logits tiling: the final hidden states and their gradient, one tile's logits at
-    ``TILED_LOSS_BYTES`` each, and the lm_head gradient the tiles accumulate."""
+def tiled_head_bytes(model: ModelSpec, train: TrainingSpec, measured: tuple = ()) -> float:
+    """The head's peak under logits tiling: what grows with the tokens (the final hidden states and their gradient),
+    one tile's logits, and the lm_head gradient the tiles accumulate. ``measured``: the probe's (base bytes at
+    ``train``'s tokens, bytes per logit of one tile, ``ActivationProfile.tiled_head``), else the hidden states twice
+    and ``TILED_LOSS_BYTES`` per logit."""
     tokens = train.tokens_per_micro_batch
     tile = -(-tokens // train.logits_tiles)
-    return (2 * tokens * model.hidden * train.param_bytes + tile * model.vocab * TILED_LOSS_BYTES
-            + model.vocab * model.hidden * train.param_bytes)
+    base, per_logit = measured if measured else (2 * tokens * model.hidden * train.param_bytes, TILED_LOSS_BYTES)
+    return base + tile * model.vocab * per_logit + model.vocab * model.hidden * train.param_bytes
 
 
 def tiled_activations(acts: ActivationProfile, model: ModelSpec, train: TrainingSpec) -> ActivationProfile:
@@ -178,7 +193,7 @@ def tiled_activations(acts: ActivationProfile, model: ModelSpec, train: Training
         saved = max(floor, saved - mlp)
         transient = max(0.0, transient - mlp * (1 - 1 / train.mlp_tiles))
     if train.logits_tiles > 1:
-        head = tiled_head_bytes(model, train) + acts.quadratic[3]
+        head = tiled_head_bytes(model, train, acts.tiled_head) + acts.quadratic[3]
     return replace(acts, layer_saved=saved, layer_transient=transient, head_peak=head)
 
 

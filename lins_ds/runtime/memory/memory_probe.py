@@ -34,7 +34,7 @@ from ...plan import PlanError
 from ...plan.memory import ActivationProfile, fitted
 from ...plan.model import from_hf_config
 from ...version import __version__
-from ..step import recompute
+from ..step import recompute, tiling
 
 
 class _Captured(Exception):
@@ -281,13 +281,50 @@ def _probe_once(model: nn.Module, layers: list, micro_batch: int, seq_len: int, 
             s_ckpt, _, _ = _layer_run(layers[0], args, kwargs, device, checkpointed=True)
             del args, kwargs
             head_saved, head_peak = _head_run(model, layers, batch, device, out_type)
+            tiled = _tiled_head(model, layers, batch, device, out_type) if device.type == "cuda" else ()
     finally:
         model.train(was_training)
     if device.type != "cuda":  # no peaks to read: one layer's saved bytes of workspace, the head's twice
         t, head_peak = s, 2 * head_saved
     source = f"measured:{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'saved-tensors'}"
     return ActivationProfile(source, micro_batch * seq_len, float(s), float(s_ckpt), float(t), float(head_peak),
-                             seq_len=seq_len)
+                             seq_len=seq_len, tiled_head=tiled)
+
+
+TILE_COUNTS = (2, 4)  # the logits tilings the probe measures the head under, to split a tile's bytes from the rest
+
+
+def _tiled_head(model: nn.Module, layers: list, batch: dict, device, out_type) -> tuple:
+    """The head under logits tiling (``ActivationProfile.tiled_head``): its peak at two tile counts, H(t) = B + W +
+    N x vocab x b / t over N tokens, gives b, the bytes per logit of one tile, and B, what grows with the tokens
+    alone; W, the lm_head gradient the tiles accumulate, is the planner's (``plan.memory.tiled_head_bytes``). ()
+    where the model cannot be tiled, or its tiled head fails to run here (out of memory): the planner then uses its
+    constant. A tiling the model has is put back."""
+    if tiling.unsupported(model):
+        return ()
+    had = tiling.tiling_of(model)
+    peaks = []
+    try:
+        for tiles in TILE_COUNTS:
+            tiling.apply_tiling(model, 1, tiles)
+            peaks.append(_head_run(model, layers, batch, device, out_type)[1])
+    except (RuntimeError, TypeError, ValueError):  # torch.OutOfMemoryError is a RuntimeError
+        return ()
+    finally:
+        tiling.remove_tiling(model)
+        if had is not None:
+            tiling.apply_tiling(model, had.mlp_tiles, had.logits_tiles)
+    return tiled_terms(peaks, batch["input_ids"].numel(), model.get_output_embeddings().weight)
+
+
+def tiled_terms(peaks: list, tokens: int, head_weight: torch.Tensor) -> tuple:
+    """(B, b) from the head's peaks at ``TILE_COUNTS`` (``_tiled_head``), each at least 0."""
+    (t1, h1), (t2, h2) = zip(TILE_COUNTS, peaks)
+    vocab = head_weight.shape[0]
+    per_logit = max(0.0, (h1 - h2) / (tokens * vocab * (1 / t1 - 1 / t2)))
+    weight_grad = head_weight.numel() * head_weight.element_size()
+    base = max(0.0, h2 - weight_grad - tokens * vocab * per_logit / t2)
+    return (float(base), float(per_logit))
 
 
 def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device) -> dict:
@@ -304,7 +341,7 @@ def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.de
             "dtype": str(next(model.parameters()).dtype), "micro_batch": micro_batch, "seq_len": seq_len,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "lins_ds": __version__,
-            "fit": "linear+quadratic in the length"}  # profiles measured at one length are not reused
+            "fit": "linear+quadratic in the length; tiled head at 2 and 4 tiles"}  # older profiles are not reused
 
 
 def cache_path(key: dict, directory: str) -> str:
