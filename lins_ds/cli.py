@@ -103,7 +103,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import context, cost, report
     from .plan import sequence
     from .plan.offload import walk
-    from dataclasses import replace
 
     topo = P.Topology(args.nodes, args.gpus_per_node)
     model = P.load_model(args.model)
@@ -129,7 +128,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def plan_at(t):  # the engine's policies: "auto" offloads, then tiles, then offloads activations, each only where
         def tiled(mlp, logits, act):  # nothing fits without it
             def solve(spec):
-                spec = replace(spec, host=host) if act and spec.host is None else spec
+                spec = sequence.with_host(spec, act, lambda: host)
                 return P.solve(model, topo, sequence.tiled(t, mlp, logits, act), mem, table, compute,
                                objective=args.objective, offload=spec), True
             return walk(rungs, solve, (P.NoFeasiblePlan,))

@@ -208,6 +208,19 @@ def train(engine, vocab=96, steps=STEPS, after_step=None) -> list:
     return out
 
 
+def micro_losses(engine, first: int, count: int, vocab=96) -> list:
+    """Optimizer steps ``first`` .. ``first + count - 1`` of GAS micro-batches of this rank's data: every loss."""
+    rank, losses = torch.distributed.get_rank(), []
+    for step in range(first, first + count):
+        for micro in range(GAS):
+            x = batch(step, micro, rank, vocab)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
 def bad_config(lins, extra) -> str:
     """``deepspeed.initialize`` of the tiny LLaMA with a ``lins`` block: what it raised (``Type: message``)."""
     import deepspeed

@@ -266,41 +266,35 @@ DIRECT = set(COLLECTIVES) | set(AGREEMENTS) | {"broadcast_object_list", "gather"
                                                "gather_object", "scatter_object_list", "monitored_barrier"}
 
 
-def test_only_the_named_modules_agree_across_ranks():
+def callers_of(names, receivers: tuple) -> set:
+    """The modules (but comm itself) that call ``receiver.name(...)`` for a name in ``names``."""
     callers = set()
     for path, module in modules():
         if module == "lins_ds.comm":
             continue
         for node in ast.walk(ast.parse(open(path).read(), path)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in AGREEMENTS
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "comm"):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+                    and ast.unparse(node.func.value) in receivers):
                 callers.add(module[len("lins_ds."):])
+    return callers
+
+
+def test_only_the_named_modules_agree_across_ranks():
+    callers = callers_of(AGREEMENTS, ("comm",))
     assert callers == set(AGREEMENT_CALLERS), callers ^ set(AGREEMENT_CALLERS)
 
 
 def test_nothing_but_comm_calls_torch_distributed_s_collectives():
     """One module owns collectives: a direct ``torch.distributed`` (or ``dist`` / ``tdist``) call of a collective or
     an agreement escapes both tests above."""
-    callers = set()
-    for path, module in modules():
-        if module == "lins_ds.comm":
-            continue
-        for node in ast.walk(ast.parse(open(path).read(), path)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in DIRECT
-                    and ast.unparse(node.func.value) in ("dist", "tdist", "torch.distributed", "deepspeed.comm")):
-                callers.add(module[len("lins_ds."):])
+    callers = callers_of(DIRECT, ("dist", "tdist", "torch.distributed", "deepspeed.comm"))
     assert callers == DIRECT_CALLERS, callers ^ DIRECT_CALLERS
 
 
 def test_only_the_named_modules_issue_collectives():
     """Every collective goes through comm.py, from these modules alone: host offload copies (HostParams uploads a
     P chunk; the unit gathers it), the runtime and checkpoints ask units."""
-    callers = set()
-    for path, module in modules():
-        for node in ast.walk(ast.parse(open(path).read(), path)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "comm"):
-                callers.add(module[len("lins_ds."):])
+    callers = callers_of(COLLECTIVES, ("comm",))
     assert callers == COLLECTIVE_CALLERS, callers ^ COLLECTIVE_CALLERS
 
 
@@ -325,7 +319,6 @@ REACH_IN_ALLOWED = {  # (module, attribute): why
     ("runtime.switch.tune", "host"): "the same: the candidates' host optimizer is the OffloadSpec's",
     ("integrations.optimizer", "full"): "torch.full (a tensor), not a unit's buffer",
     ("integrations.sharded_init", "full"): "its own replay records' values",
-    ("cli", "host"): "the same as planning's: the OffloadSpec's host (data), not the runtime's",
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine)
-from helpers import GAS, GPUS_PER_NODE, batch, config, param_groups, run, tiny_llama
+from helpers import GPUS_PER_NODE, batch, config, micro_losses, param_groups, run, tiny_llama
 from lins_ds.plan import Factor, Layout
 from lins_ds.plan.offload import HOST, Placement
 from lins_ds.runtime.runtime import runs_differently
@@ -28,19 +28,6 @@ def _engine(lins: dict):
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
                                       config=config({"host_optimizer": "torch", **lins}))
     return engine
-
-
-def _steps(engine, first: int, count: int) -> list:
-    rank = torch.distributed.get_rank()
-    losses = []
-    for step in range(first, first + count):
-        for micro in range(GAS):
-            x = batch(step, micro, rank, 96)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
 
 
 def _fixed(plan) -> dict:
@@ -78,13 +65,13 @@ def _switched(path: str, tmp: str) -> dict:
                           "tune": {"candidates": 2, "steps": 2, "max_steps": 2, "cache": False}})
         first = 0
         while engine.lins_tuner is not None:
-            _steps(engine, first, 1)
+            micro_losses(engine, first, 1)
             first += 1
         engine.save_checkpoint(tmp, tag="switch")  # the winner runs: a fresh start on it must go on identically
         moved = len(engine.lins_tune_report or []) >= 2
     else:  # a user's relayout onto another layout, offload, checkpointing, sequence tiling and activation offload
         engine = _engine({"plan": {"p": [1, 1], "g": [1, 1], "os": [1, 1]}})
-        _steps(engine, 0, 1)
+        micro_losses(engine, 0, 1)
         engine.save_checkpoint(tmp, tag="switch")
         sharded = Factor(2, 1) if world == 2 else Factor(2, 2)
         target = dataclasses.replace(engine.lins.plan, layout=Layout(Factor(1, 1), sharded, sharded),
@@ -93,10 +80,10 @@ def _switched(path: str, tmp: str) -> dict:
         engine.relayout(target)
         first, moved = 1, True
     if path == "re-size":
-        losses = _steps(engine, first, AFTER)
+        losses = micro_losses(engine, first, AFTER)
         moved = runs_differently(engine.lins.plan, before)
     else:
-        losses = _steps(engine, first, AFTER)
+        losses = micro_losses(engine, first, AFTER)
     plan = engine.lins.plan
     engine.destroy()
     return {"plan": plan, "first": first, "losses": losses, "moved": moved}
@@ -107,7 +94,7 @@ def _fresh(plan, first: int, tmp: str) -> dict:
     engine = _engine(_fixed(plan))
     same = not runs_differently(engine.lins.plan, plan)
     engine.load_checkpoint(tmp, tag="switch")
-    losses = _steps(engine, first, AFTER)
+    losses = micro_losses(engine, first, AFTER)
     engine.destroy()
     return {"same_plan": same, "losses": losses}
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine)
-from helpers import GAS, batch, config, param_groups, run, tiny_gpt2, tiny_llama
+from helpers import config, micro_losses, param_groups, run, tiny_gpt2, tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -22,14 +22,7 @@ def _losses(lins: dict, steps: int = 3) -> tuple:
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
                                       config=config({"host_optimizer": "torch", **lins}))
-    rank, losses = torch.distributed.get_rank(), []
-    for step in range(steps):
-        for micro in range(GAS):
-            x = batch(step, micro, rank, 96)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+    losses = micro_losses(engine, 0, steps)
     plan, installed = engine.lins.plan, tiling_of(engine.module)
     engine.destroy()
     return losses, (plan.mlp_tiles, plan.logits_tiles), None if installed is None else (installed.mlp_tiles,

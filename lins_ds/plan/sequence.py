@@ -64,6 +64,14 @@ def walk(tilings: list, attempt: Callable, errors: tuple):
     return offload_walk([lambda t=t: t for t in tilings], lambda t: (attempt(*t), True), errors)
 
 
+def with_host(spec, activation_offload, host: Callable):
+    """``spec`` (a ``plan.offload.OffloadSpec``) with ``host()`` to hold offloaded activations, where the rung asks for
+    activation offload and the offload rung has no host (GPU-resident states); else ``spec``."""
+    if not activation_offload or spec.host is not None:
+        return spec
+    return replace(spec, host=host())
+
+
 def activation_offload_seconds(layer_bytes: float, layers: int, host, fwd_s: float, bwd_s: float, num_layers: int,
                                grad_accum: int) -> float:
     """What a step waits for activation offload's copies of ``layers`` inputs of ``layer_bytes`` each, on ``host``'s

@@ -357,12 +357,10 @@ def tiling_rungs(cfg: LinsConfig, module: torch.nn.Module) -> list:
 
 
 def with_host(spec: OffloadSpec, activation_offload, host: "HostProbe") -> OffloadSpec:
-    """``spec`` with a host to hold offloaded activations where the rung asks for activation offload and the offload
-    rung has none (GPU-resident states): the measured one (``HostProbe``), else this host's memory with the link
+    """``plan.sequence.with_host`` with the measured host (``HostProbe``), else this host's memory with the link
     assumed (a CPU device, where the copies are plain ones)."""
-    if not activation_offload or spec.host is not None:
-        return spec
-    return dataclasses.replace(spec, host=host() or HostSpec(host_capacity_gb(host.cfg), source="assumed"))
+    return sequence.with_host(spec, activation_offload,
+                              lambda: host() or HostSpec(host_capacity_gb(host.cfg), source="assumed"))
 
 
 def _tiling_note(plan: Plan, cfg: LinsConfig) -> str:
