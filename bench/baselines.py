@@ -17,11 +17,10 @@ def is_mics(ds_config: dict) -> bool:
 
 
 def model_init_context(ds_config: dict, device=None):
-    """The context a model must be built in: ``lins_ds.init`` for Lins (no rank holds the model whole),
-    ``deepspeed.zero.MiCS_Init`` for MiCS, ``deepspeed.zero.Init`` for ZeRO-3 and ZeRO++, else ``device``
-    (built there directly: fast, and the same values for a seed)."""
-    import deepspeed
-
+    """The context a model must be built in: ``lins_ds.init`` for Lins (no rank holds the model whole), for ZeRO-3 and
+    ZeRO++ ``deepspeed.zero.Init`` as transformers enters it (``zero3_build``; then ``hf_initialise``), for MiCS
+    ``deepspeed.zero.MiCS_Init`` (its weights torch's defaults, see ``hf_initialise``), else ``device`` (built there
+    directly: fast, and the same values for a seed)."""
     import lins_ds
     from lins_ds.runtime.config import lins_block
 
@@ -29,9 +28,46 @@ def model_init_context(ds_config: dict, device=None):
         return lins_ds.init(config=ds_config)
     if zero_stage(ds_config) == 3:
         if is_mics(ds_config):
+            import deepspeed
+
             return deepspeed.zero.MiCS_Init(config_dict_or_path=ds_config)
-        return deepspeed.zero.Init(config_dict_or_path=ds_config)
+        return zero3_build(ds_config)
     return device if device is not None else contextlib.nullcontext()
+
+
+_HF_DS_CONFIG = []  # transformers holds its DeepSpeed config by a weak reference: kept alive here
+
+
+@contextlib.contextmanager
+def zero3_build(ds_config: dict):
+    """What transformers' ``from_config`` does under ZeRO-3, for any way the bench builds a model: ZeRO-3 declared to
+    transformers (``HfDeepSpeedConfig``, kept alive for the process, as HF's docs ask of a script without the
+    Trainer), weight initialisation off while the parameters are partitioned as they are made (``no_init_weights``,
+    ``zero.Init``), and ``hf_initialise`` after. Built inside a bare ``zero.Init``,
+    Hugging Face's initialisation saw empty shards and the weights kept torch's defaults (the embedding's standard
+    deviation 1, not ``initializer_range``): the ZeRO-3 baselines started from a loss of ~1885 where Lins started from
+    ln(vocab) (ALST on one H100, issue 60)."""
+    import deepspeed
+    from transformers.initialization import no_init_weights
+    from transformers.integrations import HfDeepSpeedConfig
+
+    _HF_DS_CONFIG[:] = [HfDeepSpeedConfig(ds_config)]
+    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+        yield
+
+
+def hf_initialise(model, ds_config: dict) -> None:
+    """A model built in ``zero3_build`` initialised as transformers does under ZeRO-3: each module's parameters
+    gathered, Hugging Face's ``_init_weights`` on rank 0, the result partitioned again; modules transformers has
+    initialised already (``from_config`` does it itself once ZeRO-3 is declared) are left alone. Not MiCS: on
+    DeepSpeed 0.19.6 (its last release) the gathered write left rank 0's embedding shard unwritten (NaN), so MiCS keeps
+    torch's default initialisation; the bench compares its speed, not its losses."""
+    if zero_stage(ds_config) != 3 or is_mics(ds_config):
+        return
+    from transformers.integrations.deepspeed import initialize_weights_zero3
+
+    initialize_weights_zero3(model)
+    model.tie_weights()
 
 
 def emulate_nodes(ds_config: dict, gpus_per_node: int) -> dict:

@@ -26,7 +26,7 @@ import lins_ds  # noqa: F401  (routes deepspeed.initialize to LinsEngine for con
 from lins_ds.plan import load_model
 from lins_ds.tools.llama import llama_config, progressions
 
-from .baselines import emulate_nodes, model_init_context
+from .baselines import emulate_nodes, hf_initialise, model_init_context
 from .host import seconds_per_module
 from .host_memory import HostMemory
 
@@ -176,6 +176,7 @@ def build_engine(args, ds_config: dict, device: torch.device):
     t0 = time.perf_counter()
     with model_init_context(ds_config, device):
         model = build_model(args.model, args.seq_len, args.attn)
+    hf_initialise(model, ds_config)
     if args.checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 deprecates the older name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
