@@ -143,11 +143,14 @@ def fitted(longer: "ActivationProfile", shorter: "ActivationProfile") -> "Activa
 QUADRATIC_NOISE = 0.01
 MLP_SAVED = {"llama": 4, "gpt2": 2}  # seq x intermediate tensors an MLP keeps for its backward, by architecture
 LOSS_BYTES = 4 + 4  # per logit, beyond the logits' own dtype: the loss's fp32 copy and its fp32 gradient
-# per logit of one tile at the tiled loss's peak (``runtime.step.tiling``: a tile's logits recomputed in the backward,
-# their fp32 copy, log-softmax and gradients): about 20 on an H100, Llama-3-8B widths, 65536 tokens in 8 tiles (the
-# run's peak less its other terms, bench/results/long_context/); the untiled loss's measured head, scaled and less
-# LOSS_BYTES x (1 - 1/tiles) per logit, over-predicted that peak by 31 %
-TILED_LOSS_BYTES = 20
+# The tiled head without a measurement (the formula; a model the probe cannot tile): per logit of one tile, and per
+# element of the final hidden states (seq x hidden, in units of the parameters' bytes) what grows with the tokens
+# alone. Both as the probe measured them on an H100 (``memory_probe._tiled_head``, bench/results/long_context/
+# measured_tiled_head/): 12.0 bytes per logit and 5.0 x 2 bytes per hidden element on Llama-3-8B widths (16384 and
+# 12288 tokens) and on Llama-3 widths h2048 x 16 (16384 tokens), where they predicted the peaks of three runs within
+# 0.4-3.3 %. (20 and 2 before, derived from one run's peak less its other terms: 10 % over on the second model.)
+TILED_LOSS_BYTES = 12
+TILED_HIDDEN_COPIES = 5
 
 
 def mlp_bytes(model: ModelSpec, train: TrainingSpec) -> float:
@@ -171,11 +174,12 @@ def offloaded_input_bytes(acts: ActivationProfile, model: ModelSpec, train: Trai
 def tiled_head_bytes(model: ModelSpec, train: TrainingSpec, measured: tuple = ()) -> float:
     """The head's peak under logits tiling: what grows with the tokens (the final hidden states and their gradient),
     one tile's logits, and the lm_head gradient the tiles accumulate. ``measured``: the probe's (base bytes at
-    ``train``'s tokens, bytes per logit of one tile, ``ActivationProfile.tiled_head``), else the hidden states twice
-    and ``TILED_LOSS_BYTES`` per logit."""
+    ``train``'s tokens, bytes per logit of one tile, ``ActivationProfile.tiled_head``), else ``TILED_HIDDEN_COPIES``
+    of the hidden states and ``TILED_LOSS_BYTES`` per logit."""
     tokens = train.tokens_per_micro_batch
     tile = -(-tokens // train.logits_tiles)
-    base, per_logit = measured if measured else (2 * tokens * model.hidden * train.param_bytes, TILED_LOSS_BYTES)
+    base, per_logit = measured if measured else (TILED_HIDDEN_COPIES * tokens * model.hidden * train.param_bytes,
+                                                TILED_LOSS_BYTES)
     return base + tile * model.vocab * per_logit + model.vocab * model.hidden * train.param_bytes
 
 
