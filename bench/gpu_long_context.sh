@@ -4,16 +4,19 @@
 # (micro-batch 1, gas 1), 3 steps (1 untimed), the logits held through the backward where untiled (the loop the
 # memory probe models). From the config alone: ds_configs/lins_offload.json ("offload": "auto"), lins.tiling "auto"
 # (the default) or false, lins.seq_len fixed at each length. Parts (all by default; each a list of lengths):
-#   plain   the plain PyTorch loop (bench/plain.py) at each length until it runs out of memory
+#   plain   the plain PyTorch loop (bench/plain.py) with HF gradient checkpointing, at each length until it runs out
+#           of memory
 #   untiled Lins with "tiling": false
 #   tiled   Lins with "tiling": "auto" (and "activation_offload": "auto", the default)
+#   logits8 Lins with "tiling": {"logits": 8} fixed (the tiled head's memory model checked on a model that needs no
+#           tiling to fit, e.g. MODEL=bench/models/family-llama3-h2048-l16-v128256.json)
 #   act     Lins with "activation_offload": ACT_LAYERS (16 by default) fixed: the inputs of that many checkpointed layers
 #           on the host whether needed or not (the memory model and the runtime's copies measured at any length)
 #   alst    DeepSpeed's ALST single-GPU recipe (bench/alst.py, ds_configs/alst_offload.json): ZeRO-3 with parameters and
 #           optimizer on the host, TiledMLP, tiled logits+loss, checkpointing with its inputs on the host, and the
 #           recipe's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #   plan    `lins-ds plan --longest` for the same model and card, tiled and not (no GPU work)
-# LENGTHS (default "8192 16384 32768 65536 131072") picks the lengths. Writes $OUT/<part>_<len>.json/.log and
+# MODEL (default bench/models/hub-llama3-8b.json) picks the model, RUN_LIMIT (s) caps each run, STEPS and WARMUP (3, 1) the steps. LENGTHS (default "8192 16384 32768 65536 131072") picks the lengths. Writes $OUT/<part>_<len>.json/.log and
 # $OUT/long_context.json (per run: rc, median step, tokens/s, predicted and measured peak, the plan's tiles).
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
@@ -21,10 +24,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-M=(--model bench/models/hub-llama3-8b.json --micro-batch-size 1 --grad-accum 1 --steps 3 --warmup-steps 1
+M=(--model "${MODEL:-bench/models/hub-llama3-8b.json}" --micro-batch-size 1 --grad-accum 1 --steps "${STEPS:-3}"
+   --warmup-steps "${WARMUP:-1}"
    --lins-init per_module)
 run() {  # run <name> <timeout s> <bench.train args...>
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=${RUN_LIMIT:-$2}; shift 2
   echo "== $name" | tee -a "$OUT/log.txt"
   timeout "$limit" torchrun --nproc_per_node 1 --master_port $((29500 + RANDOM % 500)) -m bench.train "${M[@]}" \
     --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
@@ -36,10 +40,13 @@ parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(plan plain untiled tiled alst)
 for part in "${parts[@]}"; do
   for n in ${LENGTHS:-8192 16384 32768 65536 131072}; do
     case $part in
-      plain) run "plain_$n" 300 --plain --deepspeed_config ds_configs/zero0.json --seq-len "$n" --hold-outputs ;;
+      plain) run "plain_$n" 300 --plain --checkpointing --deepspeed_config ds_configs/zero0.json --seq-len "$n" \
+               --hold-outputs ;;
       untiled) run "untiled_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs \
                  --ds-set 'lins.tiling=false' ;;
       tiled) run "tiled_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs ;;
+      logits8) run "logits8_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs \
+                 --ds-set 'lins.tiling={"logits": 8}' ;;
       act) run "act_$n" 400 --deepspeed_config ds_configs/lins_offload.json --seq-len "$n" --hold-outputs \
              --ds-set "lins.activation_offload=${ACT_LAYERS:-16}" ;;
       alst) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \

@@ -153,3 +153,26 @@ def test_a_config_of_another_family_is_built_as_its_own_hugging_face_class(tmp_p
                                  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
                                  "vocab_size": 256}))
     assert type(build_model(str(llama), 64)).__name__ == "LlamaForCausalLM"
+
+
+def test_the_long_context_plot_reads_each_mode_s_runs_and_out_of_memory_ends(tmp_path):
+    """``bench.long_context_plot``: a run per mode and length from its JSON, a run that ran out of memory from its log,
+    other names (a rerun kept beside) left out, and Lins over ALST only where both trained."""
+    from bench import long_context_plot
+
+    def summary(name, step, tokens):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"median_step_s": step, "tokens_per_gpu_s": tokens,
+                                                           "peak_memory_gb": 9.0, "losses": [12.1, 12.0]}))
+
+    summary("lins_65536", 4.0, 16000.0)
+    summary("alst_65536", 5.0, 12800.0)
+    summary("lins_131072", 15.0, 8700.0)
+    summary("alst_torch_init_131072", 20.0, 6000.0)  # not a mode's name: left out
+    summary("plain_16384", 0.6, 28000.0)
+    (tmp_path / "plain_32768.log").write_text("step 1\ntorch.OutOfMemoryError: CUDA out of memory.\n")
+    (tmp_path / "alst_262144.log").write_text("killed by the time limit\n")  # ended early, not out of memory
+    long_context_plot.main([str(tmp_path)])
+    out = json.loads((tmp_path / "tokens_per_s.json").read_text())
+    assert out["lins_over_alst"] == {"65536": 1.25}
+    assert set(out["runs"]["alst"]) == {"65536"} and out["runs"]["plain"]["32768"] == {"result": "out of memory"}
+    assert (tmp_path / "tokens_per_s.png").stat().st_size > 0
