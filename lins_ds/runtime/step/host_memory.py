@@ -12,6 +12,7 @@ from .storage import Lane, StreamLane, SyncLane, Tier
 
 HOST_PIECE = 1 << 25  # elements per host master tensor (128 MiB in fp32): few enough calls that the worker rarely
 # waits for the GIL, small enough that the first update starts soon and memory-bound temporaries stay small
+SWITCH_INTERVAL_S = 5e-4  # while a host thread works: the training thread hands over the GIL within 0.5 ms, not 5
 REGISTER_MIN_BYTES = 1 << 20  # host_empty: smaller pinned buffers come from torch's caching allocator
 
 

@@ -13,13 +13,12 @@ import torch
 
 from ... import comm
 from .host_grads import HostGrads
-from .host_memory import PinnedHost
+from .host_memory import SWITCH_INTERVAL_S, PinnedHost
 from .host_optimizer import HostOptimizer, update_piece
 from .storage import Copied, Tier
 
 __all__ = ["SWITCH_INTERVAL_S", "HostSlice", "HostTicket", "HostUpdater"]
 
-SWITCH_INTERVAL_S = 5e-4  # while the worker runs: the training thread hands over the GIL within 0.5 ms, not 5
 
 
 class HostSlice:
