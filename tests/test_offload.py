@@ -729,3 +729,18 @@ def test_the_training_stand_in_launches_work_until_the_timing_ends():
     basic = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
     host, _ = host_optimizer.measure(basic, "torch", torch.device("cpu"), 8.0, elems=1 << 16)
     assert host.update_elems_per_s > 0 and host.accumulate_elems_per_s > 0 and "beside" in host.source
+
+
+def test_the_start_up_summary_says_once_that_the_first_host_update_makes_the_moments():
+    """Where a plan updates optimizer state on the host, the start-up's offload note says that the first host update
+    of a fresh run also makes the optimizer's moments (the step after it waited 2-3x the steady wait on an H100's host),
+    so a slow second step is expected, not a fault; a plan with nothing on the host says nothing."""
+    from types import SimpleNamespace
+
+    from lins_ds.runtime.startup import planning
+
+    context = SimpleNamespace(offload=SimpleNamespace(host=HostSpec(64.0, source="measured on cuda")))
+    offloaded = SimpleNamespace(placement=Placement.of(2), host_gb=3.0)
+    note = planning._offload_note(context, offloaded)
+    assert note.count(planning.FIRST_UPDATE_NOTE) == 1 and "3.00 GiB host memory per rank of 64.00" in note
+    assert planning._offload_note(context, SimpleNamespace(placement=Placement(), host_gb=0.0)) == ""

@@ -253,7 +253,15 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
             + (f", gradient sums {host.accumulate_elems_per_s / 1e9:.2f} and norms {host.norm_elems_per_s / 1e9:.2f} G "
                "elements/s" if plan.placement.offloads("g") else "")
             + f" ({host.source}); "
-            f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}")
+            f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}"
+            + (f"\n  offload: {FIRST_UPDATE_NOTE}" if plan.placement.offloads("os") else ""))
+
+
+# Said once, at start-up: on one H100's host the step after the first waited 2.1-3.2x the steady wait (Qwen2.5-3B
+# widths at 19-40 GiB, bench/results/offload/again_h100/; Llama-3-8B widths at 65536 tokens, long_context/)
+FIRST_UPDATE_NOTE = ("the first host update of a fresh run also makes the optimizer's moments on the host (their "
+                     "memory touched for the first time), so the step after it waits longer for the host; the "
+                     "steps after that are steady")
 
 
 def solve_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int = 0, tiles: tuple = (1, 1)) -> tuple:
