@@ -42,8 +42,9 @@ _HF_DS_CONFIG = []  # transformers holds its DeepSpeed config by a weak referenc
 def zero3_build(ds_config: dict):
     """What transformers' ``from_config`` does under ZeRO-3, for any way the bench builds a model: ZeRO-3 declared to
     transformers (``HfDeepSpeedConfig``, kept alive for the process, as HF's docs ask of a script without the
-    Trainer), weight initialisation off while the parameters are partitioned as they are made (``no_init_weights``,
-    ``zero.Init``), and ``hf_initialise`` after. Built inside a bare ``zero.Init``,
+    Trainer: ``bench.train`` builds one model per process), weight initialisation off while the parameters are
+    partitioned as they are made (``no_init_weights``, ``zero.Init``; arange's fp32 kept for RoPE's frequencies), and
+    ``hf_initialise`` after. Built inside a bare ``zero.Init``,
     Hugging Face's initialisation saw empty shards and the weights kept torch's defaults (the embedding's standard
     deviation 1, not ``initializer_range``): the ZeRO-3 baselines started from a loss of ~1885 where Lins started from
     ln(vocab) (ALST on one H100, issue 60)."""
@@ -51,8 +52,12 @@ def zero3_build(ds_config: dict):
     from transformers.initialization import no_init_weights
     from transformers.integrations import HfDeepSpeedConfig
 
+    try:  # RoPE's inv_freq made by arange stays fp32 inside zero.Init (its dtype is the config's bf16 there)
+        from transformers.modeling_utils import prevent_arange_dtype_change
+    except ImportError:  # a transformers without it builds as it always did
+        prevent_arange_dtype_change = contextlib.nullcontext
     _HF_DS_CONFIG[:] = [HfDeepSpeedConfig(ds_config)]
-    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
         yield
 
 
@@ -60,8 +65,8 @@ def hf_initialise(model, ds_config: dict) -> None:
     """A model built in ``zero3_build`` initialised as transformers does under ZeRO-3: each module's parameters
     gathered, Hugging Face's ``_init_weights`` on rank 0, the result partitioned again; modules transformers has
     initialised already (``from_config`` does it itself once ZeRO-3 is declared) are left alone. Not MiCS: on
-    DeepSpeed 0.19.6 (its last release) the gathered write left rank 0's embedding shard unwritten (NaN), so MiCS keeps
-    torch's default initialisation; the bench compares its speed, not its losses."""
+    DeepSpeed 0.19.6 (the last release with MiCS) the gathered write left rank 0's embedding shard unwritten (NaN),
+    so MiCS keeps torch's default initialisation; the bench compares its speed, not its losses."""
     if zero_stage(ds_config) != 3 or is_mics(ds_config):
         return
     from transformers.integrations.deepspeed import initialize_weights_zero3
