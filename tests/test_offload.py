@@ -715,17 +715,26 @@ def test_the_host_speeds_a_step_is_priced_with_are_timed_beside_a_training_like_
 
 def test_the_training_stand_in_launches_work_until_the_timing_ends():
     """``beside_training`` keeps a thread launching small kernels (here on the CPU) for as long as the timed block
-    runs, and stops it after; ``measure`` runs through it for real."""
+    runs, and stops it after; a stand-in that cannot run raises at once instead of leaving start-up waiting;
+    ``measure`` runs through it for real."""
+    import sys
     import threading
     import time
 
     from lins_ds.runtime.step import host_optimizer
 
-    with host_optimizer.beside_training(torch.device("cpu")):
-        stand_in = next(t for t in threading.enumerate() if t.name == "lins-training-stand-in")
+    interval = sys.getswitchinterval()
+    with host_optimizer.beside_training(torch.device("cpu")) as launched:
+        stand_in = next(t for t in threading.enumerate() if t.name == host_optimizer.STAND_IN)
         time.sleep(0.05)
-        assert stand_in.is_alive()
-    assert not stand_in.is_alive()
+        first = launched[0]
+        time.sleep(0.05)
+        assert stand_in.is_alive() and launched[0] > first > 0
+    assert not stand_in.is_alive() and sys.getswitchinterval() == interval
+    with pytest.raises(RuntimeError, match="training stand-in could not run on cuda:99"):
+        with host_optimizer.beside_training(torch.device("cuda", 99)):  # no such device, with a GPU or without
+            pass
+    assert sys.getswitchinterval() == interval
     basic = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
     host, _ = host_optimizer.measure(basic, "torch", torch.device("cpu"), 8.0, elems=1 << 16)
     assert host.update_elems_per_s > 0 and host.accumulate_elems_per_s > 0 and "beside" in host.source

@@ -155,8 +155,12 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: i
     with beside_training(device):
         rate = _time_update(basic, best[2], device, elems)[0]
         accumulate = _time_accumulate(device, elems, *grad_dtypes)
-    source = f"measured on {device.type} beside a training-like thread; the update alone {best[0] / 1e9:.2f} G elements/s"
+    source = (f"measured on {device.type} beside a training-like thread; the update alone {best[0] / 1e9:.2f} G "
+              "elements/s")
     return HostSpec(capacity_gb, rate, h2d, d2h, best[1], source, *accumulate), best[2]
+
+
+STAND_IN = "lins-training-stand-in"  # the stand-in thread's name
 
 
 @contextlib.contextmanager
@@ -165,34 +169,51 @@ def beside_training(device: torch.device):
     launches small kernels on ``device`` in a loop, a little Python between them and a synchronize every 64, as a
     forward's hooks and modules do; on a CPU device the same on a tiny CPU tensor), with the GIL switch interval
     ``HostUpdater`` sets. On an idle host the update ran faster than in training: 2.40-3.09 G elements/s timed at
-    start-up, 2.1-2.3 in the host worker of the same jobs (bench/results/offload/again_h100/, Qwen2.5-3B widths on
-    one H100's host), and the exposed host time was predicted 0.21-0.75 s a step where those jobs waited 0.37-1.12 s;
-    beside such a loop the same update ran 2.32 G elements/s against 3.17 alone (bench/results/host_update_branch/)."""
-    stop, started = threading.Event(), threading.Event()
+    start-up, 2.1-2.3 in the host worker of the same jobs (bench/results/offload/again_h100/, Qwen2.5-3B widths on one
+    H100's host), and the exposed host time was predicted 0.21-0.75 s a step where those jobs waited 0.37-1.12 s (mean
+    of steps 3-8); beside such a loop the same update ran 2.32 G elements/s against 3.17 alone
+    (bench/results/host_update_branch/). Yields the count of kernels launched so far (one-element list); a stand-in
+    that fails raises here."""
+    stop, started, launched, failed = threading.Event(), threading.Event(), [0], []
 
     def loop():
-        x = torch.zeros(1024, device=device)
-        started.set()
-        while not stop.is_set():
-            for _ in range(64):
-                k = 0
-                for i in range(20):  # the Python a hook or a module's forward runs between launches
-                    k += i
-                x.add_(1.0)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        try:
+            x = torch.zeros(1024, device=device)
+            started.set()
+            while not stop.is_set():
+                for _ in range(64):
+                    k = 0
+                    for i in range(20):  # the Python a hook or a module's forward runs between launches
+                        k += i
+                    x.add_(1.0)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                launched[0] += 64
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread (``_stand_in_failed``)
+            failed.append(e)
+        finally:
+            started.set()
 
-    thread = threading.Thread(target=loop, name="lins-training-stand-in", daemon=True)
+    thread = threading.Thread(target=loop, name=STAND_IN, daemon=True)
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
-    thread.start()
-    started.wait()
     try:
-        yield
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        thread.start()
+        started.wait()  # set by the loop whatever happens to it
+        _stand_in_failed(failed, device)
+        yield launched
     finally:
         stop.set()
-        thread.join()
+        if thread.ident is not None:  # started
+            thread.join()
         sys.setswitchinterval(interval)
+    _stand_in_failed(failed, device)  # it failed while the block ran: what was timed was not beside it
+
+
+def _stand_in_failed(failed: list, device: torch.device) -> None:
+    if failed:
+        raise RuntimeError(f"lins: the training stand-in could not run on {device} "
+                           f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
 
 
 def _time_update(basic, kind: str, device: torch.device, elems: int) -> tuple:

@@ -17,8 +17,7 @@ from .host_memory import SWITCH_INTERVAL_S, PinnedHost
 from .host_optimizer import HostOptimizer, update_piece
 from .storage import Copied, Tier
 
-__all__ = ["SWITCH_INTERVAL_S", "HostSlice", "HostTicket", "HostUpdater"]
-
+__all__ = ["HostSlice", "HostTicket", "HostUpdater"]
 
 
 class HostSlice:
