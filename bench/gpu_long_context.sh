@@ -8,15 +8,16 @@
 #           of memory
 #   untiled Lins with "tiling": false
 #   tiled   Lins with "tiling": "auto" (and "activation_offload": "auto", the default)
-#   logits8 Lins with "tiling": {"logits": 8} fixed (the tiled head's memory model checked on a model that needs no
-#           tiling to fit, e.g. MODEL=bench/models/family-llama3-h2048-l16-v128256.json)
+#   logits8 Lins with "tiling": {"logits": 8} fixed, whether needed or not (the tiled head's memory model checked on
+#           another model, e.g. MODEL=bench/models/family-llama3-h2048-l16-v128256.json)
 #   act     Lins with "activation_offload": ACT_LAYERS (16 by default) fixed: the inputs of that many checkpointed layers
 #           on the host whether needed or not (the memory model and the runtime's copies measured at any length)
 #   alst    DeepSpeed's ALST single-GPU recipe (bench/alst.py, ds_configs/alst_offload.json): ZeRO-3 with parameters and
 #           optimizer on the host, TiledMLP, tiled logits+loss, checkpointing with its inputs on the host, and the
 #           recipe's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #   plan    `lins-ds plan --longest` for the same model and card, tiled and not (no GPU work)
-# MODEL (default bench/models/hub-llama3-8b.json) picks the model, RUN_LIMIT (s) caps each run, STEPS and WARMUP (3, 1) the steps. LENGTHS (default "8192 16384 32768 65536 131072") picks the lengths. Writes $OUT/<part>_<len>.json/.log and
+# MODEL (default bench/models/hub-llama3-8b.json) picks the model, RUN_LIMIT (s) caps each run, STEPS and WARMUP
+# (3, 1) the steps, LENGTHS (default "8192 16384 32768 65536 131072") the lengths. Writes $OUT/<part>_<len>.json/.log and
 # $OUT/long_context.json (per run: rc, median step, tokens/s, predicted and measured peak, the plan's tiles).
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
@@ -52,7 +53,7 @@ for part in "${parts[@]}"; do
       alst) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
               run "alst_$n" 400 --alst --deepspeed_config ds_configs/alst_offload.json --seq-len "$n" ;;
       plan) for t in off auto; do
-              python3 -m lins_ds.cli plan --model bench/models/hub-llama3-8b.json --nodes 1 --gpus-per-node 1 \
+              python3 -m lins_ds.cli plan --model "${MODEL:-bench/models/hub-llama3-8b.json}" --nodes 1 --gpus-per-node 1 \
                 --gpu-memory-gb "$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)')" \
                 --host-memory-gb 100 --micro-batch-size 1 --seq-len 8192 --tiling "$t" --longest --format json \
                 > "$OUT/plan_$t.json" 2>> "$OUT/log.txt"

@@ -3,9 +3,9 @@ runs of ``bench/gpu_long_context.sh`` (``bench.train`` JSON summaries) gathered 
 
     python -m bench.long_context_plot bench/results/long_context/three_ways_1b [--title T]
 
-Reads ``<mode>_<length>.json`` (mode ``plain``, ``alst`` or ``lins``; other names, e.g. a rerun kept beside them,
-are left out) and ``<mode>_<length>.log`` without a JSON (a run that ended early) whose log says it ran out of
-memory: marked x at that length. Writes ``tokens_per_s.png`` and ``tokens_per_s.json`` (per mode and length: the
+Reads ``<mode>_<length>.json`` (mode ``plain``, ``alst``, or ``lins`` / ``tiled``: the script's name for Lins from
+the config alone; other names, e.g. a rerun kept beside them, are left out) and ``<mode>_<length>.log`` without a
+JSON (a run that ended early) whose log says it ran out of memory: marked x at that length. Writes ``tokens_per_s.png`` and ``tokens_per_s.json`` (per mode and length: the
 median step, tokens/s, measured and predicted peak, or "out of memory"; and Lins over ALST at each length both ran).
 """
 
@@ -20,7 +20,8 @@ import re
 MODES = ("plain", "alst", "lins")
 LABELS = {"plain": "plain PyTorch loop (HF checkpointing)", "alst": "DeepSpeed ALST recipe (ZeRO-3 offload)",
           "lins": "Lins (config alone)"}
-NAME = re.compile(r"^(plain|alst|lins)_(\d+)\.(json|log)$")
+NAME = re.compile(r"^(plain|alst|lins|tiled)_(\d+)\.(json|log)$")
+MODE_OF = {"tiled": "lins"}  # gpu_long_context.sh's part name
 
 
 def gather(directory: str) -> dict:
@@ -30,7 +31,7 @@ def gather(directory: str) -> dict:
         match = NAME.match(os.path.basename(path))
         if not match:
             continue
-        mode, length, kind = match.group(1), int(match.group(2)), match.group(3)
+        mode, length, kind = MODE_OF.get(match.group(1), match.group(1)), int(match.group(2)), match.group(3)
         if kind == "json":
             with open(path) as f:
                 r = json.load(f)
@@ -66,6 +67,7 @@ def plot(runs: dict, path: str, title: str) -> None:
                     ax.plot([n], [ok[-1][1]], marker="x", markersize=10, color=line.get_color(), linestyle="none")
                     ax.annotate("out of memory", (n, ok[-1][1]), textcoords="offset points", xytext=(4, 6), fontsize=8)
     ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("sequence length (tokens, one sequence per step)")
     ax.set_ylabel("tokens/s")
     ax.set_title(title, fontsize=10)

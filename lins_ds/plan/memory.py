@@ -149,6 +149,7 @@ LOSS_BYTES = 4 + 4  # per logit, beyond the logits' own dtype: the loss's fp32 c
 # measured_tiled_head/): 12.0 bytes per logit and 5.0 x 2 bytes per hidden element on Llama-3-8B widths (16384 and
 # 12288 tokens) and on Llama-3 widths h2048 x 16 (16384 tokens), where they predicted the peaks of three runs within
 # 0.4-3.3 %. (20 and 2 before, derived from one run's peak less its other terms: 10 % over on the second model.)
+# Measured with bf16 parameters only: fp32 ones scale the hidden states' term by their bytes, unmeasured.
 TILED_LOSS_BYTES = 12
 TILED_HIDDEN_COPIES = 5
 
