@@ -166,7 +166,7 @@ def test_the_long_context_plot_reads_each_mode_s_runs_and_out_of_memory_ends(tmp
 
     summary("lins_65536", 4.0, 16000.0)
     summary("alst_65536", 5.0, 12800.0)
-    summary("lins_131072", 15.0, 8700.0)
+    summary("tiled_131072", 15.0, 8700.0)  # gpu_long_context.sh's name for Lins from the config alone
     summary("alst_torch_init_131072", 20.0, 6000.0)  # not a mode's name: left out
     summary("plain_16384", 0.6, 28000.0)
     (tmp_path / "plain_32768.log").write_text("step 1\ntorch.OutOfMemoryError: CUDA out of memory.\n")
@@ -175,4 +175,5 @@ def test_the_long_context_plot_reads_each_mode_s_runs_and_out_of_memory_ends(tmp
     out = json.loads((tmp_path / "tokens_per_s.json").read_text())
     assert out["lins_over_alst"] == {"65536": 1.25}
     assert set(out["runs"]["alst"]) == {"65536"} and out["runs"]["plain"]["32768"] == {"result": "out of memory"}
+    assert set(out["runs"]["lins"]) == {"65536", "131072"}
     assert (tmp_path / "tokens_per_s.png").stat().st_size > 0
