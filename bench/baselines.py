@@ -44,10 +44,9 @@ def zero3_build(ds_config: dict):
     transformers (``HfDeepSpeedConfig``, kept alive for the process, as HF's docs ask of a script without the
     Trainer: ``bench.train`` builds one model per process), weight initialisation off while the parameters are
     partitioned as they are made (``no_init_weights``, ``zero.Init``; arange's fp32 kept for RoPE's frequencies), and
-    ``hf_initialise`` after. Built inside a bare ``zero.Init``,
-    Hugging Face's initialisation saw empty shards and the weights kept torch's defaults (the embedding's standard
-    deviation 1, not ``initializer_range``): the ZeRO-3 baselines started from a loss of ~1885 where Lins started from
-    ln(vocab) (ALST on one H100, issue 60)."""
+    ``hf_initialise`` after. Built inside a bare ``zero.Init``, Hugging Face's initialisation saw empty shards and the
+    weights kept torch's defaults (the embedding's standard deviation 1, not ``initializer_range``): the ZeRO-3
+    baselines started from a loss of ~1885 where Lins started from ln(vocab) (ALST on one H100, issue 60)."""
     import deepspeed
     from transformers.initialization import no_init_weights
     from transformers.integrations import HfDeepSpeedConfig

@@ -259,9 +259,8 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
 
 # Said once, at start-up: on one H100's host the step after the first waited 2.1-3.2x the steady wait (Qwen2.5-3B
 # widths at 19-40 GiB, bench/results/offload/again_h100/; Llama-3-8B widths at 65536 tokens, long_context/)
-FIRST_UPDATE_NOTE = ("the first host update of a fresh run also makes the optimizer's moments on the host (their "
-                     "memory touched for the first time), so the step after it waits longer for the host; the "
-                     "steps after that are steady")
+FIRST_UPDATE_NOTE = ("the first host update of a fresh run also makes the optimizer's moments on the host, so the "
+                     "step after it waits longer for the host; the steps after that are steady")
 
 
 def solve_plan(facts: LaunchFacts, cfg: LinsConfig, offload=None, seq_len: int = 0, tiles: tuple = (1, 1)) -> tuple:
