@@ -26,8 +26,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 M=(--model "${MODEL:-bench/models/hub-llama3-8b.json}" --micro-batch-size 1 --grad-accum 1 --steps "${STEPS:-3}"
-   --warmup-steps "${WARMUP:-1}"
-   --lins-init per_module)
+   --warmup-steps "${WARMUP:-1}" --lins-init per_module)
 run() {  # run <name> <timeout s> <bench.train args...>
   local name=$1 limit=${RUN_LIMIT:-$2}; shift 2
   echo "== $name" | tee -a "$OUT/log.txt"

@@ -5,8 +5,9 @@ runs of ``bench/gpu_long_context.sh`` (``bench.train`` JSON summaries) gathered 
 
 Reads ``<mode>_<length>.json`` (mode ``plain``, ``alst``, or ``lins`` / ``tiled``: the script's name for Lins from
 the config alone; other names, e.g. a rerun kept beside them, are left out) and ``<mode>_<length>.log`` without a
-JSON (a run that ended early) whose log says it ran out of memory: marked x at that length. Writes ``tokens_per_s.png`` and ``tokens_per_s.json`` (per mode and length: the
-median step, tokens/s, measured and predicted peak, or "out of memory"; and Lins over ALST at each length both ran).
+JSON (a run that ended early) whose log says it ran out of memory: marked x at that length. Writes
+``tokens_per_s.png`` and ``tokens_per_s.json`` (per mode and length: the median step, tokens/s, measured and predicted
+peak, or "out of memory"; and Lins over ALST at each length both ran).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def gather(directory: str) -> dict:
                                   "measured_peak_gb": r.get("peak_memory_gb"),
                                   "predicted_peak_gb": (r.get("plan") or {}).get("predicted_peak_gb"),
                                   "steps": len(r.get("losses", [])), "first_loss": (r.get("losses") or [None])[0]}
-        elif length not in runs[mode] and "OutOfMemoryError" in open(path, errors="replace").read():
-            runs[mode][length] = {"result": "out of memory"}
+        elif length not in runs[mode]:
+            with open(path, errors="replace") as f:
+                if "OutOfMemoryError" in f.read():
+                    runs[mode][length] = {"result": "out of memory"}
     return runs
 
 

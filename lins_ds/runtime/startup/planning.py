@@ -253,8 +253,7 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
             + (f", gradient sums {host.accumulate_elems_per_s / 1e9:.2f} and norms {host.norm_elems_per_s / 1e9:.2f} G "
                "elements/s" if plan.placement.offloads("g") else "")
             + f" ({host.source}); "
-            f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}"
-            + (f"\n  offload: {FIRST_UPDATE_NOTE}" if plan.placement.offloads("os") else ""))
+            f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}\n  offload: {FIRST_UPDATE_NOTE}")
 
 
 # Said once, at start-up: on one H100's host the step after the first waited 2.1-3.2x the steady wait (Qwen2.5-3B
