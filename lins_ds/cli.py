@@ -35,6 +35,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="parameter dtype")
     p.add_argument("--grad-accum-dtype", choices=["bf16", "fp16", "fp32"], help="gradient accumulation dtype (default: the parameter dtype, as DeepSpeed)")
     p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient communication dtype (default: --dtype)")
+    p.add_argument("--gradient-clipping", type=float, default=1.0, help="DeepSpeed's gradient_clipping (default 1.0, "
+                   "DeepSpeed's where the key is absent); 0 without --dtype fp16 (no loss scaling either): the "
+                   "offloaded units' host updates start inside the last backward, as each gradient is final")
     p.add_argument("--reserved-gb", type=float, help="memory outside the allocator (CUDA context, communicator "
                    "buffers), GiB; default 2, or 0 with a --profile measured on CPUs")
     p.add_argument("--fragmentation", type=float, default=0.05, help="allocator margin, fraction")
@@ -118,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if capacity is None:
         raise P.PlanError("--gpu-memory-gb: required when the profile does not record the GPU memory")
     train = P.TrainingSpec(args.seq_len, args.micro_batch_size, args.grad_accum, args.dtype,
-                           args.grad_accum_dtype, args.grad_reduce_dtype, activation_checkpointing=args.ckpt)
+                           args.grad_accum_dtype, args.grad_reduce_dtype, activation_checkpointing=args.ckpt,
+                           host_update_in_backward=args.gradient_clipping == 0 and args.dtype != "fp16")
     device = "cpu" if args.profile and table.meta.get("device") == "cpu" else "cuda"  # the profile's device
     mem = P.MemorySpec(capacity, context.reserved_gb(args.reserved_gb, device), args.fragmentation)
     rungs, host = _offload_rungs(args, topo)
@@ -149,7 +153,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     sol.inputs.update(model=model.name, params=model.total_params(), nodes=topo.nodes,
                       gpus_per_node=topo.gpus_per_node, gpu_memory_gb=capacity, seq_len=train.seq_len,
-                      micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum, dtype=train.param_dtype)
+                      micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum, dtype=train.param_dtype,
+                      gradient_clipping=args.gradient_clipping)
     if args.format == "json":
         print(json.dumps({**report.to_json(sol), **({"longest": longest.to_json()} if longest else {})}, indent=1))
     else:

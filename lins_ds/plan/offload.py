@@ -4,9 +4,11 @@ and their parameters (P) off the device, what that costs in host memory and in t
 Where each state lives is one typed value, ``Placement``: ``n_units`` = k, the last k units in forward order (the root,
 which runs first, only when k covers every unit), and a tier per state (``TIERS``: the device, the host). Their OS
 leaves the device: the host optimizer updates them unit by unit in forward order, and each unit's updated parameters
-return just in time for its next forward — so the last units' host work hides behind the first units' forward. Their
-G may leave too; each micro-batch's gradient of such a unit leaves the GPU as soon as its backward (and its reduction)
-is done, and the host adds it up while the rest of the backward runs. Only where no replica AllReduce follows the
+return just in time for its next forward — so the last units' host work hides behind the first units' forward. Where
+nothing waits for every gradient (no clipping, no fp16 loss scaling: ``TrainingSpec.host_update_in_backward``) each
+starts instead as the unit's gradient is final in the window's last backward, last unit first. Their G may leave
+too; each micro-batch's gradient of such a unit leaves the GPU as soon as its backward (and its reduction) is done,
+and the host adds it up while the rest of the backward runs. Only where no replica AllReduce follows the
 reduction (s_g = the world: ``grads_may_leave``). Without it, an offloaded unit's gradient goes down at the step.
 A unit offloaded costs, per element of this rank's OS chunk: the host update and the parameter up, and the
 gradient down at the step (G on the GPU) or, during backward, each micro-batch's gradient down and its host sum.
@@ -311,6 +313,14 @@ def grads_may_leave(layout: Layout, world: int) -> bool:
     return layout.g.size == world
 
 
+def updates_in_backward(train: TrainingSpec, layout: Layout, world: int, placement: Placement) -> bool:
+    """Whether the offloaded units' host updates start inside the window's last backward (what the solver prices and
+    ``Plan.host_update_in_backward`` tells the runtime): nothing waits for every gradient
+    (``TrainingSpec.host_update_in_backward``), some unit's OS is off the device, and a unit's gradient is final as
+    its reduction ends (``grads_may_leave``: no replica AllReduce follows, which ends only with the window)."""
+    return train.host_update_in_backward and placement.offloads("os") and grads_may_leave(layout, world)
+
+
 def offloaded(units: list, k: int) -> list:
     """The parameter counts of the offloaded units (forward order: the root first, then the layers)."""
     return units[len(units) - k:] if k else []
@@ -365,13 +375,15 @@ def backward_host_seconds(units: list, k: int, layout: Layout, train: TrainingSp
 
 
 def exposed_seconds(units: list, placement: Placement, layout: Layout, train: TrainingSpec, host: HostSpec,
-                    forward_s: float, behind_s: float = 0.0) -> float:
+                    forward_s: float, behind_s: float = 0.0, backward_s: float = 0.0) -> float:
     """What a step waits for the host: the offloaded units' transfers and updates, one after another in forward
     order, less what the next forward hides (``hides_behind_forward``): the first units run their forward
-    meanwhile, and an offloaded unit's forward waits only for its own update. With G on the host, the host's work on
-    the gradients (``backward_host_seconds``) where it outlasts the GPU work it runs beside (``behind_s``: the
-    window's compute from the first gradient on). With P on the host, the uploads (``upload_seconds``) where they
-    outlast the window's compute."""
+    meanwhile, and an offloaded unit's forward waits only for its own update. Where ``train.host_update_in_backward``
+    the updates start inside the window's last backward (``backward_s``, recompute included) instead, and that
+    backward hides them too (``updated_in_backward``). With G on the host, the host's work on the gradients
+    (``backward_host_seconds``) where it outlasts the GPU work it runs beside (``behind_s``: the window's compute
+    from the first gradient on). With P on the host, the uploads (``upload_seconds``) where they outlast the
+    window's compute."""
     k = placement.n_units
     off = offloaded(units, k)
     if not off:
@@ -382,6 +394,8 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
               else 0.0)
     if placement.offloads("p"):
         behind += max(0.0, upload_seconds(units, k, layout, train, host) - behind_s)
+    if train.host_update_in_backward and backward_s > 0:
+        return updated_in_backward(units, times, forward_s, backward_s, hides_behind_forward(layout)) + behind
     if not hides_behind_forward(layout):
         return sum(times) + behind
     total = sum(units)
@@ -392,3 +406,37 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
         done += upd
         t = max(t, done) + fwd
     return max(0.0, t - forward_s) + behind
+
+
+def gradient_final_seconds(units: list, backward_s: float) -> list:
+    """When each unit's gradient is final in a backward of ``backward_s``, from its start (forward order): the
+    backward completes the layers last first, each after its share of the layers' parameters; the root (embeddings,
+    head) is reduced when the backward ends."""
+    layers = sum(units[1:])
+    final, left = [backward_s], layers
+    for n in units[1:]:
+        final.append(backward_s * left / layers)
+        left -= n
+    return final
+
+
+def updated_in_backward(units: list, times: list, forward_s: float, backward_s: float, hides: bool) -> float:
+    """What a step waits for the updates of the last ``len(times)`` units (each taking ``times[i]``) where each
+    starts as its gradient is final in the window's last backward: one clock from that backward's start, the worker
+    takes them one at a time in the order their gradients become final (the last unit first, the root last); the
+    next forward starts when the backward ends, the resident units' first, and an offloaded unit's forward waits for
+    its own update. ``hides`` False (a P-sync follows every update, in ``step()``): the step waits for the last."""
+    first = len(units) - len(times)
+    final = gradient_final_seconds(units, backward_s)[first:]
+    done, free = [0.0] * len(times), 0.0
+    for i in reversed(range(len(times))):  # gradients final last unit first; the root's (index 0) last of all
+        free = max(free, final[i]) + times[i]
+        done[i] = free
+    if not hides:
+        return max(0.0, free - backward_s)
+    total = sum(units)
+    per_unit_fwd = [forward_s * n / total for n in units]
+    t = backward_s + sum(per_unit_fwd[:first])
+    for upd, fwd in zip(done, per_unit_fwd[first:]):
+        t = max(t, upd) + fwd
+    return max(0.0, t - (backward_s + forward_s))

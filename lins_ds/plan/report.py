@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .cost import per_state
 from .memory import TERMS
-from .solver import Evaluation, Solution
+from .solver import Evaluation, Plan, Solution
 from .topology import STATES
 
 STATE_NAMES = {"p": "P (parameters)", "g": "G (gradients)", "os": "OS (optimizer)", "scalar": "scalars"}
@@ -92,6 +92,14 @@ def to_json(sol: Solution) -> dict:
     }
 
 
+def _offload_hidden_by(plan: Plan) -> str:
+    """What hides the offloaded units' host updates in ``plan``: where nothing waits for every gradient (no clipping,
+    no fp16 loss scaling) they start inside the last backward (``Plan.host_update_in_backward``), else once it ends."""
+    if plan.host_update_in_backward:
+        return "not hidden by the last backward and the next forward"
+    return "not hidden by the next forward (clipping waits for every gradient)"
+
+
 def to_table(sol: Solution) -> str:
     best, plan = sol.best, sol.plan
     topo, off = plan.topology, best.placement
@@ -104,7 +112,7 @@ def to_table(sol: Solution) -> str:
         + (f" (the last ones{', their gradients too' if off.offloads('g') else ''}"
            f"{', their parameters too' if off.offloads('p') else ''}; "
            f"{_gib(best.memory.host_gb)} pinned per rank of {_gib(best.host_capacity_gb)}; "
-           f"{_ms(best.offload_s).strip()} per step not hidden by the forward)" if off.n_units else ""),
+           f"{_ms(best.offload_s).strip()} per step {_offload_hidden_by(plan)})" if off.n_units else ""),
         *([f"  sequence tiling: the MLPs in {plan.mlp_tiles} tile(s), the logits and loss in {plan.logits_tiles} "
            "(each recomputed in the backward)"] if plan.mlp_tiles > 1 or plan.logits_tiles > 1 else []),
         *([f"  activation offload: the inputs of {best.act_offload_units} of the {best.ckpt_units} checkpointed layer "

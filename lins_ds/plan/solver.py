@@ -20,7 +20,7 @@ from . import cost
 from .memory import UPLOADED_LAYERS, ActivationProfile, MemoryBreakdown, memory
 from .model import ModelSpec
 from .offload import (RESIDENT, HostSpec, OffloadSpec, Placement, exposed_seconds as offload_exposed,
-                      host_optimizer_of)
+                      host_optimizer_of, updates_in_backward)
 from .profile_table import ProfileTable
 from .sequence import activation_offload_seconds, extra_flops
 from .spec import MemorySpec, TrainingSpec
@@ -140,6 +140,7 @@ class Plan:
     mlp_tiles: int = 1  # sequence tiling (``plan.sequence``): the MLPs computed this many sequence tiles at a time
     logits_tiles: int = 1  # ... and the logits with their loss
     activation_offload_units: int = 0  # of the checkpointed layer units, the first this many keep their inputs on the host
+    host_update_in_backward: bool = False  # the offloaded units' host updates start inside the window's last backward
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -155,6 +156,7 @@ class Plan:
             "memory_gb": self.memory_gb, "predicted_peak_gb": self.predicted_peak_gb,
             "memory_profile": self.memory_profile, **self.placement.legacy_json(), "host_gb": self.host_gb,
             "host_optimizer": self.host_optimizer, **self._placement_json(), **self._tiling_json(),
+            **({"host_update_in_backward": True} if self.host_update_in_backward else {}),
         }
 
     def _tiling_json(self) -> dict:
@@ -183,7 +185,8 @@ class Plan:
                    float(obj.get("memory_gb", 0)), float(obj.get("predicted_peak_gb", 0)),
                    obj.get("memory_profile", ""), layers, _placement_of(obj), float(obj.get("host_gb", 0.0)),
                    str(obj.get("host_optimizer", "torch")), int(obj.get("mlp_tiles", 1)),
-                   int(obj.get("logits_tiles", 1)), int(obj.get("activation_offload_units", 0)))
+                   int(obj.get("logits_tiles", 1)), int(obj.get("activation_offload_units", 0)),
+                   bool(obj.get("host_update_in_backward", False)))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
@@ -244,8 +247,9 @@ def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, 
     exposed = cost.exposed_seconds(list(colls), fwd, bwd, train.grad_accum)
     units = model.unit_params()
     host = offload.host
-    off_s = (offload_exposed(units, placement, layout, train, host, fwd, train.grad_accum * (fwd + bwd) - fwd)
-             if placement.n_units else 0.0)
+    in_backward = updates_in_backward(train, layout, topo.world_size, placement)
+    off_s = (offload_exposed(units, placement, layout, train, host, fwd, train.grad_accum * (fwd + bwd) - fwd,
+                             backward_s=bwd if in_backward else 0.0) if placement.n_units else 0.0)
 
     def at(act_units: int) -> Evaluation:
         mb = memory(model, train, mem, topo, layout, ckpt_units, activations, placement, act_units)
@@ -347,7 +351,8 @@ def plan_of(e: Evaluation, topo: Topology, model: ModelSpec, train: TrainingSpec
     return Plan(topo, e.layout, e.ckpt_units, train.param_dtype, train.grad_accum_dtype or train.param_dtype,
                 model.name, table.source, e.comm_s, e.memory.total_gb, e.memory.allocated_gb,
                 e.memory.activation_source, model.num_layers, e.placement, e.memory.host_gb,
-                host_optimizer_of(host, e.placement), train.mlp_tiles, train.logits_tiles, e.act_offload_units)
+                host_optimizer_of(host, e.placement), train.mlp_tiles, train.logits_tiles, e.act_offload_units,
+                updates_in_backward(train, e.layout, topo.world_size, e.placement))
 
 
 def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec, table: ProfileTable,

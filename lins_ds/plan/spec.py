@@ -40,6 +40,9 @@ class TrainingSpec:
     # layer units that make a plan fit in host memory; False: of none; a number: of that many (at most every
     # checkpointed one)
     activation_offload: Union[bool, int] = False
+    # the offloaded units' host updates start as each unit's gradient is final in the window's last backward
+    # (``gradient_clipping: 0``, no fp16 loss scaling: nothing waits for every gradient), else after the backward ends
+    host_update_in_backward: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("--seq-len", self.seq_len)

@@ -1,0 +1,153 @@
+"""The planner's price of host updates that start inside the window's last backward (``gradient_clipping: 0``, no
+fp16 loss scaling: ``TrainingSpec.host_update_in_backward``; docs/design.md §13): the same numbers as before without
+the flag, a hand-worked schedule with it, the solver and ``lins-ds plan`` passing it through. Pure Python."""
+
+from dataclasses import replace
+
+import pytest
+
+from lins_ds.cli import main
+from lins_ds.plan import ComputeSpec, MemorySpec, Topology, TrainingSpec, candidates, cost, get_cluster, load_model
+from lins_ds.plan.offload import (HOST, HostSpec, OffloadSpec, Placement, exposed_seconds, gradient_final_seconds,
+                                  hides_behind_forward, updates_in_backward)
+from lins_ds.plan.solver import Plan, compute_seconds, evaluate, solve
+
+TRAIN = TrainingSpec(2048, 1, 2)
+IN_BACKWARD = replace(TRAIN, host_update_in_backward=True)
+MODEL = load_model("llama-7b")
+ONE = Topology(1, 1)
+TABLE = get_cluster("a800-ib").table(cost.required_meshes(ONE, candidates(ONE)))
+SLOW_HOST = HostSpec(capacity_gb=1000, update_elems_per_s=0.5e9)  # host updates outlast the forward
+
+# the hand-worked case: a root of 2 G parameters and layers of 1, 2 and 1 G (4 G of layers)
+UNITS = [2e9, 1e9, 2e9, 1e9]
+QUARTER = HostSpec(capacity_gb=1000, update_elems_per_s=0.25e9, h2d_gbs=2.0)
+
+
+def _layout(p: int, g: int, os: int):
+    return next(lay for lay in candidates(Topology(1, max(p, g, os)))
+                if (lay.p.size, lay.g.size, lay.os.size) == (p, g, os))
+
+
+def _model_case():
+    """llama-7b on one GPU with a third of its units' OS on the slow host: (args, forward, backward, behind)."""
+    (layout,) = candidates(ONE)
+    fwd, bwd = compute_seconds(MODEL, TRAIN, ComputeSpec(), 0)
+    units = MODEL.unit_params()
+    return (units, Placement.of(len(units) // 3), layout), fwd, bwd, TRAIN.grad_accum * (fwd + bwd) - fwd
+
+
+def test_flag_off_is_todays_price_exactly():
+    (units, placement, layout), fwd, bwd, behind = _model_case()
+    for p in (placement, Placement.of(placement.n_units, HOST, HOST), Placement.of(len(units))):
+        before = exposed_seconds(units, p, layout, TRAIN, SLOW_HOST, fwd, behind)
+        assert exposed_seconds(units, p, layout, TRAIN, SLOW_HOST, fwd, behind, backward_s=bwd) == before
+        assert exposed_seconds(units, p, layout, IN_BACKWARD, SLOW_HOST, fwd, behind, backward_s=0.0) == before
+
+
+def test_updates_in_backward_hide_more_where_they_outlast_the_forward():
+    (units, placement, layout), fwd, bwd, behind = _model_case()
+    off = exposed_seconds(units, placement, layout, TRAIN, SLOW_HOST, fwd, behind, backward_s=bwd)
+    on = exposed_seconds(units, placement, layout, IN_BACKWARD, SLOW_HOST, fwd, behind, backward_s=bwd)
+    assert off > 0 and on < off  # the update outlasts the forward: the backward hides part of it
+    fast = HostSpec(capacity_gb=1000, update_elems_per_s=1e12, h2d_gbs=1e6, d2h_gbs=1e6)
+    for train in (TRAIN, IN_BACKWARD):  # what the forward hides alone stays hidden
+        hidden = exposed_seconds(units, placement, layout, train, fast, fwd, behind, backward_s=bwd)
+        assert hidden == pytest.approx(0.0, abs=1e-12)
+
+
+def test_gradients_final_last_layer_first_and_the_root_at_the_end():
+    assert gradient_final_seconds(UNITS, 8.0) == [8.0, 8.0, 6.0, 2.0]
+    assert gradient_final_seconds([5.0], 3.0) == [3.0]  # a root alone: final when the backward ends
+
+
+def test_hand_worked_schedule_behind_the_forward():
+    """G and P on the host (nothing comes down or goes up at the step): unit 2 updates in 8 s, unit 3 in 4 s.
+    Backward 8 s: unit 3's gradient final at 2, unit 2's at 6; the worker: unit 3 in [2, 6], unit 2 in [6, 14].
+    Forward 6 s (1 s per G parameters) from 8: root and unit 1 to 11, unit 2 waits to 14 and ends 16, unit 3
+    ends 17; 17 - (8 + 6) = 3 s exposed. Without the flag: updates from the forward's start, done at 8 and 12;
+    forward 3, 8 -> 10, 12 -> 13; 13 - 6 = 7 s."""
+    layout = _layout(1, 1, 1)
+    assert hides_behind_forward(layout)
+    place = Placement.of(2, HOST, HOST, HOST)
+    no_behind = 1e9  # the host's gradient sums and the uploads hide behind the window's compute
+
+    def exposed(train, behind=no_behind):
+        return exposed_seconds(UNITS, place, layout, train, QUARTER, 6.0, behind, backward_s=8.0)
+
+    assert exposed(IN_BACKWARD) == pytest.approx(3.0, abs=1e-9)
+    assert exposed(TRAIN) == pytest.approx(7.0, abs=1e-9)
+    # the terms beside the updates (the host's sums and the uploads beyond the compute) are added unchanged
+    assert exposed(IN_BACKWARD, 0.0) - exposed(IN_BACKWARD) == pytest.approx(exposed(TRAIN, 0.0) - exposed(TRAIN))
+    assert exposed(IN_BACKWARD, 0.0) > exposed(IN_BACKWARD)
+
+
+def test_hand_worked_schedule_with_a_p_sync_after_each_update():
+    """s_p = 1 < s_os = 2 (a P-sync follows every update, in step()): the step waits for the worker's last.
+    Per unit: half its parameters updated at 0.25 G/s and uploaded at 2 GB/s in bf16 (G on the host): 2.5 s per
+    G parameters, unit 2 5 s, unit 3 2.5 s. Worker: unit 3 in [2, 4.5], unit 2 in [6, 11]; 11 - 8 = 3 s; without
+    the flag 7.5 s, one after the other after the backward."""
+    layout = _layout(1, 2, 2)
+    assert not hides_behind_forward(layout)
+    place = Placement.of(2, HOST, HOST)
+
+    def exposed(train):
+        return exposed_seconds(UNITS, place, layout, train, QUARTER, 6.0, 1e9, backward_s=8.0)
+
+    assert exposed(IN_BACKWARD) == pytest.approx(3.0, abs=1e-9)
+    assert exposed(TRAIN) == pytest.approx(7.5, abs=1e-9)
+
+
+def test_solver_prices_the_updates_in_the_backward():
+    (layout,) = candidates(ONE)
+    mem, spec = MemorySpec(80), OffloadSpec("auto", host=SLOW_HOST)
+    units = len(MODEL.unit_params())
+
+    def ev(train):
+        return evaluate(ONE, layout, 0, MODEL, train, mem, TABLE, ComputeSpec(), placement=Placement.of(units // 2),
+                        offload=spec)
+
+    before, after = ev(TRAIN), ev(IN_BACKWARD)
+    assert 0 <= after.offload_s < before.offload_s
+    old, new = (solve(MODEL, ONE, train, mem, TABLE, offload=spec) for train in (TRAIN, IN_BACKWARD))
+    assert old.best.placement.n_units > 0 and new.best.offload_s < old.best.offload_s
+    assert new.plan.host_update_in_backward and not old.plan.host_update_in_backward
+    assert Plan.from_json(new.plan.to_json()) == new.plan and new.plan.to_json()["host_update_in_backward"] is True
+    assert "host_update_in_backward" not in old.plan.to_json()  # the JSON and digest of every other plan as before
+    resident = solve(MODEL, ONE, IN_BACKWARD, MemorySpec(1000), TABLE, offload=spec).plan
+    assert resident.placement.n_units == 0 and not resident.host_update_in_backward  # nothing to start early
+
+
+def test_a_replica_allreduce_keeps_the_updates_after_the_backward():
+    """s_g = 1 on 2 ranks: a unit's gradient is final only when its replica AllReduce ends with the window, so the
+    runtime starts no update inside the backward and the price is the one after it."""
+    two = Topology(1, 2)
+    table = get_cluster("a800-ib").table(cost.required_meshes(two, candidates(two)))
+    spec, units = OffloadSpec("auto", host=SLOW_HOST), len(MODEL.unit_params())
+    for layout, early in ((_layout(1, 1, 2), False), (_layout(2, 2, 2), True)):
+        assert updates_in_backward(IN_BACKWARD, layout, 2, Placement.of(units // 2)) is early
+        old, new = (evaluate(two, layout, 0, MODEL, train, MemorySpec(80), table, ComputeSpec(),
+                             placement=Placement.of(units // 2), offload=spec) for train in (TRAIN, IN_BACKWARD))
+        assert (new.offload_s < old.offload_s) if early else (new.offload_s == old.offload_s)
+
+
+CLI = ["plan", "--model", "llama-7b", "--nodes", "1", "--gpus-per-node", "1", "--seq-len", "2048",
+       "--micro-batch-size", "1", "--gpu-memory-gb", "80", "--host-memory-gb", "400"]
+
+
+def _offload_line(capsys, *extra) -> str:
+    assert main([*CLI, *extra]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "optimizer state on the host" in x]
+    return line
+
+
+def test_plan_cli_clipping_zero_prices_updates_in_the_backward(capsys):
+    default = _offload_line(capsys)
+    assert "not hidden by the next forward (clipping waits for every gradient)" in default
+    assert _offload_line(capsys, "--gradient-clipping", "1.0") == default  # DeepSpeed's default, as absent
+    assert "not hidden by the last backward and the next forward" in _offload_line(capsys, "--gradient-clipping", "0")
+
+
+def test_plan_cli_fp16_keeps_waiting_for_every_gradient(capsys):
+    line = _offload_line(capsys, "--gradient-clipping", "0", "--dtype", "fp16")  # loss scaling checks every gradient
+    assert "not hidden by the next forward (clipping waits for every gradient)" in line
