@@ -749,7 +749,10 @@ def test_the_start_up_summary_says_once_that_the_first_host_update_makes_the_mom
     from lins_ds.runtime.startup import planning
 
     context = SimpleNamespace(offload=SimpleNamespace(host=HostSpec(64.0, source="measured on cuda")))
-    offloaded = SimpleNamespace(placement=Placement.of(2), host_gb=3.0)
+    offloaded = SimpleNamespace(placement=Placement.of(2), host_gb=3.0, host_update_in_backward=False)
     note = planning._offload_note(context, offloaded)
     assert note.count(planning.FIRST_UPDATE_NOTE) == 1 and "3.00 GiB host memory per rank of 64.00" in note
     assert planning._offload_note(context, SimpleNamespace(placement=Placement(), host_gb=0.0)) == ""
+    ahead = planning._offload_note(context, SimpleNamespace(placement=Placement.of(2), host_gb=3.0,
+                                                            host_update_in_backward=True))
+    assert ahead.count(planning.IN_BACKWARD_NOTE) == 1 and planning.IN_BACKWARD_NOTE not in note

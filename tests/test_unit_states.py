@@ -212,12 +212,13 @@ def test_the_table_covers_every_reachable_start():
 
 
 # --- the host side's protocol (lins_ds/runtime/step/offload.py: HostOffload) ----------------------------------------
-H_OPS = ("push", "drain_grads", "start_updates", "begin", "settle")
+H_OPS = ("push", "drain_grads", "start_updates", "begin", "ahead", "take", "settle")
 H_GRID = """
-idle        idle      drained   refused     refused   idle
-drained     refused   drained   downloaded  refused   idle
-downloaded  refused   refused   refused     updating  idle
-updating    updating  refused   refused     refused   idle
+idle        idle      drained   refused     refused   ahead    refused   idle
+drained     refused   drained   downloaded  refused   refused  refused   idle
+downloaded  refused   refused   refused     updating  refused  refused   idle
+updating    updating  refused   refused     refused   refused  refused   idle
+ahead       ahead     refused   refused     refused   refused  updating  refused
 """  # phase, then the result of each of H_OPS: the phase it leaves, or HostProtocolError (the phase kept)
 
 
@@ -246,7 +247,7 @@ def host_protocol_rows():
             host.protocol.phase = HostPhase(start)
             call = {"push": lambda: host.grads.push(unit, torch.ones(8)), "drain_grads": host.drain_grads,
                     "start_updates": lambda: host.start_updates(torch.ones(())), "begin": host.begin,
-                    "settle": host.settle}[op]
+                    "ahead": lambda: host.begin_ahead(1.0), "take": host.take, "settle": host.settle}[op]
             try:
                 call()
                 out[start, op] = host.protocol.phase.value
@@ -259,7 +260,8 @@ def host_protocol_rows():
 
 def test_every_host_offload_transition_gives_what_the_table_says():
     """The host updates never start before the gradients are final (start_updates only after drain_grads), no
-    gradient comes down between the drain and the update's start, and a step boundary settles any phase."""
+    gradient comes down between the drain and the update's start, a step boundary settles any phase but AHEAD (updates
+    begun inside the last backward, which only the step takes), and those begin only from IDLE."""
     want = {}
     for line in H_GRID.strip().splitlines():
         start, *results = line.split()
@@ -280,7 +282,7 @@ def skipped_drain():
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)), config=config(
         {"plan": {"p": [1, 1], "g": [2, 2], "os": [2, 2]}, "offload": {"os": "cpu", "g": "cpu"},
-         "host_optimizer": "torch"}, gradient_clipping=0.0))
+         "host_optimizer": "torch", "host_update_in_backward": False}, gradient_clipping=0.0))
     x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     msg = ""
     try:

@@ -86,7 +86,7 @@ def facts(engine, optimizer) -> LaunchFacts:
     param, accum, reduce = _dtypes(engine)
     return LaunchFacts(engine.module, optimizer, engine.train_micro_batch_size_per_gpu(),
                        engine.gradient_accumulation_steps(), param, accum, reduce, gemm_dtype(engine, param),
-                       torch.device(engine.device), engine.lins_topology)
+                       torch.device(engine.device), engine.lins_topology, float(engine.gradient_clipping() or 0.0))
 
 
 def settings(engine) -> dict:

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import copy
 import math
+from typing import Optional
 
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
@@ -132,7 +133,14 @@ class LinsOptimizer(ZeROOptimizer):
 
     # DeepSpeed's engine calls these around every backward (engine.backward or loss.backward).
     def backward_prologue(self) -> None:
-        self.runtime.begin_backward()
+        self.runtime.begin_backward(self.ahead_coef())
+
+    def ahead_coef(self) -> Optional[float]:
+        """The coefficient ``step()`` will scale every gradient by, where it is known before the backward: without
+        clipping or a loss scale, the average over the ranks (as ``step()`` makes it: an fp32 value); else None."""
+        if self.clip > 0 or self.loss_scaler is not None:
+            return None
+        return float(torch.full((), 1.0 / self.runtime.topo.world_size, dtype=torch.float32))
 
     def backward_epilogue(self, **kwargs) -> None:
         self.runtime.end_backward()
@@ -148,7 +156,7 @@ class LinsOptimizer(ZeROOptimizer):
         """No host synchronisation except for fp16, whose overflow decides on the host whether to step."""
         rt = self.runtime
         rt.finish_gradients()  # the last step's host updates included
-        rt.check_host()
+        rt.check_host(step=True)
         rt.check_collectives()
         inv_scale = 1.0 / (rt.topo.world_size * self.cur_scale)
         norm = rt.grad_norm(inv_scale)

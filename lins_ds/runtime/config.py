@@ -55,6 +55,10 @@ def _one_of(choices) -> Callable:
     return lambda key, value: value if value in choices else _bad(key, value, f"one of {', '.join(map(str, choices))}")
 
 
+def _auto_or_boolean(key, value):
+    return value if value == "auto" or isinstance(value, bool) else _bad(key, value, "\"auto\", true or false")
+
+
 def _checkpointing(key, value):
     if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
         return value
@@ -287,6 +291,8 @@ class LinsConfig:
                            "where nothing fits untiled), `false`, or `{\"mlp\": 4, \"logits\": 8}`")
     activation_offload: object = _rule("auto", _activation_offload, "checkpointed layers' inputs on the host: "
                                        "`\"auto\"` (fewest that fit, where nothing fits without), `false`, or a count")
+    host_update_in_backward: object = _rule("auto", _auto_or_boolean, "`gradient_clipping: 0`, no fp16: host "
+                                            "updates start in the last backward; `false`: after `step()`")
     host_memory_gb: Optional[float] = _rule(None, _optional(_positive_gib),
                                             "host memory offload may pin per node (GiB)", "what is free")
     host_optimizer: str = _rule("auto", _one_of(("auto", "torch", "deepspeed")),
@@ -325,6 +331,7 @@ class LinsConfig:
 
 
 AUTO_ALLOWED = ("lins.offload", "lins.offload.g", "lins.offload.p", "lins.host_optimizer", "lins.tiling",
+                "lins.host_update_in_backward",
                 "lins.activation_offload")
 
 

@@ -186,7 +186,8 @@ class LinsRuntime(FullValues):
         self._host.device = self._device
         self._progress = Progress()
         self._executor = Executor(self._module, root, layers, self._reduce_dtype, self._progress,
-                                  gradients=not self._forward_only)
+                                  gradients=not self._forward_only, on_final=lambda unit: self._host.final(unit),
+                                  before_forward=lambda: self.refuse_ahead("a forward"))
         self._os_replicas = self._topo.world_size // self._layout.os.size
         self._slot_of = {s.param: (u, s) for u in self._units for s in u.slots}
         self._outside = [p for p in self._module.parameters() if p not in self._slot_of]
@@ -238,6 +239,7 @@ class LinsRuntime(FullValues):
 
     def join_host(self) -> None:
         """This rank's host updates done (no collective): what a read of the host masters needs."""
+        self.refuse_ahead("reading or writing a parameter's master or optimizer state")
         self._host.join()
 
     def forget_host_failure(self) -> None:
@@ -392,8 +394,20 @@ class LinsRuntime(FullValues):
         return [(u.spec.padded, u.is_root) for u in self._units]
 
     # --- the steps of training, one caller each (module docstring) ----------------------------
-    def begin_backward(self) -> None:
-        self._progress.phase, self._progress.ends_window = Phase.BACKWARD, self._ends_window()
+    def begin_backward(self, ahead_coef: Optional[float] = None) -> None:
+        """``ahead_coef``: the coefficient the step will scale every gradient by, where it is known before the backward
+        (no clipping, no loss scale: ``LinsOptimizer.ahead_coef``). Then, where the plan says so
+        (``host_update_in_backward``), the window's last backward starts the offloaded units' host updates as their
+        gradients become final (docs/design.md §13), the last step's settled first on every rank."""
+        again = self._progress.phase is Phase.BACKWARD  # DeepSpeed's hook, then the engine's: one backward
+        if not again:
+            self.refuse_ahead("another backward")
+        ends = self._ends_window()
+        if (not again and ends and ahead_coef is not None and self._plan.host_update_in_backward
+                and self._host_units):
+            self._host.settle()
+            self._host.begin_ahead(ahead_coef)
+        self._progress.phase, self._progress.ends_window = Phase.BACKWARD, ends
         self._progress.window_done = False
         self._progress.pending = True
         if self._host.grads is not None:
@@ -403,13 +417,25 @@ class LinsRuntime(FullValues):
             self._act_offload.prefetch_newest()
 
     def end_backward(self) -> None:
-        """Reduce what is left, in order; at a window's end the replica AllReduces are all in flight."""
+        """Reduce what is left, in order; at a window's end the replica AllReduces are all in flight (and the host
+        updates begun inside it each hold their unit)."""
         self._executor.end_backward()
+        self._host.backward_ended()
         self._progress.phase = Phase.FORWARD
         if self._progress.ends_window:  # as under ZeRO-1, .grad is None now: the window's gradient, averaged over
             self._progress.window_done = True  # the ranks, is what ``full_grad`` (safe_get_full_grad) assembles
             for unit in self._units:
                 unit.detach_grads()
+
+    def refuse_ahead(self, what: str) -> None:
+        """Raise where host updates began inside the window's last backward and no ``step()`` has taken them: ``what``
+        would see (or change) masters that already hold this step's update."""
+        if self._host.ahead:
+            raise RuntimeError(
+                f"lins: {what} between the window's last backward and engine.step(): with gradient_clipping 0 the "
+                "offloaded units' host updates start inside that backward (lins.host_update_in_backward), so their "
+                "parameters already take this step's update. Call engine.step() first, or set "
+                "\"lins\": {\"host_update_in_backward\": false} in the DeepSpeed config")
 
     def finish_gradients(self) -> None:
         """The boundary: every G chunk all-reduced over its replicas (launched during the last backward where
@@ -417,12 +443,17 @@ class LinsRuntime(FullValues):
         self._progress.phase = Phase.BOUNDARY
         self._executor.finish_window()
         for unit in self._units:
-            unit.wait_param_sync()
+            if not (self._host.ahead and unit.param_state is ParamState.UPDATING):  # this step's: the forward waits
+                unit.wait_param_sync()
 
-    def check_host(self) -> None:
+    def check_host(self, step: bool = False) -> None:
         """The last host update finished on every rank, or every rank raises the failing rank's error (a failure on one
         rank alone would leave the others waiting in a collective). Every rank calls it at the same point: the step,
-        a save, a re-layout. Nothing (no collective) where the plan offloads nothing: the same on every rank."""
+        a save, a re-layout. Nothing (no collective) where the plan offloads nothing: the same on every rank. At the
+        step (``step``) after updates began inside its last backward, nothing: that backward settled the last ones."""
+        if step and self._host.ahead:
+            return
+        self.refuse_ahead("a checkpoint save or load, or a re-plan,")
         if self._host_units:
             self._host.settle()
 
@@ -447,11 +478,15 @@ class LinsRuntime(FullValues):
         follow (P-sync), the gradients are dropped. ``coef`` scales each gradient (loss scale, averaging, clipping)."""
         self._refuse_held()  # before the host side moves: a user's error leaves it as it was
         host = self._host if self._host_units else None  # the plan's: the same on every rank
-        if host is not None:
+        begin = None
+        if host is not None and host.ahead:  # begun inside the last backward: this step's, if nothing changed since
+            host.take()
+        elif host is not None:
             host.drain_grads()
             host.start_updates(coef)  # the host units' gradients leave first
+            begin = host.begin
         self._masters.update(coef)
-        self._sync(host.begin if host is not None else None)
+        self._sync(begin)
         self.zero_gradients()
 
     def _refuse_held(self) -> None:
@@ -509,6 +544,8 @@ class LinsRuntime(FullValues):
         """Called where user code reads parameters (a module's ``parameters()``, ``named_parameters()``,
         ``state_dict()``): outside the engine's own forward, backward and step, the updates of the last step are
         made visible first. Inside them nothing waits: each unit's use waits for its own (the overlap is kept)."""
+        if not self._progress.busy:
+            self.refuse_ahead("reading the model's parameters")
         if self._reads_pending and not self._progress.busy and self._progress.phase is Phase.FORWARD:
             self.params_current()
 
@@ -518,6 +555,7 @@ class LinsRuntime(FullValues):
         theirs (a submodule's ``zero_grad``), else every gradient. After ``step()`` there is nothing to drop."""
         if self._progress.phase is Phase.BACKWARD:
             raise RuntimeError("lins: zero_grad() inside a backward")
+        self.refuse_ahead("zero_grad() (dropping the window's gradients)")
         if self._forward_only or not self._progress.pending:  # DeepSpeed's own, after every step: nothing to drop, and
             return  # nothing to wait for (the step's host updates and P-syncs go on behind the next forward)
         self._executor.complete_reductions()

@@ -20,7 +20,7 @@ from ...plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, Traini
                      load_model)
 from ...plan.context import SolveContext, check_placement as _check_placement, compute_for, reserved_gb
 from ...plan import sequence
-from ...plan.offload import HostSpec, OffloadSpec, host_optimizer_of, ladder, rungs_from, walk
+from ...plan.offload import HostSpec, OffloadSpec, host_optimizer_of, ladder, rungs_from, updates_in_backward, walk
 from ...plan.solver import NoFeasiblePlan, _gib
 from ...plan import cost, report
 from ...plan.layout import needs_unsorted_groups
@@ -231,7 +231,8 @@ def solve_context(facts: LaunchFacts, cfg: LinsConfig, ckpt=None, table: Optiona
                          facts.param_dtype, dtypes.name_of(facts.accum_dtype), cfg.grad_reduce_dtype,
                          activation_checkpointing=ckpt, optimizer_per_unit=steps_per_parameter(facts.optimizer),
                          mlp_tiles=tiles[0], logits_tiles=tiles[1],
-                         activation_offload=tiles[2] if len(tiles) > 2 else False)
+                         activation_offload=tiles[2] if len(tiles) > 2 else False,
+                         host_update_in_backward=wants_updates_in_backward(facts, cfg))
     device = facts.device
     table = table or _timing_table(cfg, topo, model, train, device)
     acts, acts_note = activation_profile(module, cfg, train, device)
@@ -244,6 +245,19 @@ def solve_context(facts: LaunchFacts, cfg: LinsConfig, ckpt=None, table: Optiona
                         compute_for(table, cfg.cluster), layouts, cfg.objective, acts, acts_note, spec)
 
 
+def wants_updates_in_backward(facts: LaunchFacts, cfg: LinsConfig) -> bool:
+    """Whether the offloaded units' host updates may start inside the window's last backward: lins.host_update_in_backward
+    not false, and nothing the step does needs every gradient first (``gradient_clipping`` 0, no fp16 loss scaling).
+    ``true`` where something does is refused, naming both keys (every rank, at start-up)."""
+    free = facts.gradient_clipping == 0 and facts.param_dtype != "fp16"
+    if cfg.host_update_in_backward is True and not free:
+        raise LinsConfigError(
+            f"lins.host_update_in_backward: true needs gradient_clipping 0 and no fp16 loss scaling (gradient_clipping "
+            f"is {facts.gradient_clipping:g}, parameters {facts.param_dtype}): clipping and the overflow check need "
+            "every gradient before any update starts")
+    return free and cfg.host_update_in_backward is not False
+
+
 def _offload_note(context: SolveContext, plan: Plan) -> str:
     host = context.offload.host
     if not plan.placement.on_host or host is None:
@@ -253,8 +267,13 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
             + (f", gradient sums {host.accumulate_elems_per_s / 1e9:.2f} and norms {host.norm_elems_per_s / 1e9:.2f} G "
                "elements/s" if plan.placement.offloads("g") else "")
             + f" ({host.source}); "
-            f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}\n  offload: {FIRST_UPDATE_NOTE}")
+            f"{plan.host_gb:.2f} GiB host memory per rank of {host.capacity_gb:.2f}\n  offload: {FIRST_UPDATE_NOTE}"
+            + (f"\n  offload: {IN_BACKWARD_NOTE}" if plan.host_update_in_backward else ""))
 
+
+IN_BACKWARD_NOTE = ("with gradient_clipping 0 each offloaded unit's host update starts inside the window's last "
+                    "backward, as its gradient is final; between that backward and step(), what would read or change "
+                    "the updated parameters is refused (lins.host_update_in_backward: false keeps them after step())")
 
 # Said once, at start-up: on one H100's host the step after the first waited 2.1-3.2x the steady wait (Qwen2.5-3B
 # widths at 19-40 GiB, bench/results/offload/again_h100/; Llama-3-8B widths at 65536 tokens, long_context/)
@@ -328,7 +347,9 @@ def fixed_predicted(context: SolveContext, plan: Plan, summary: str) -> tuple:
     plan = dataclasses.replace(plan, memory_gb=e.memory.total_gb, predicted_peak_gb=e.memory.allocated_gb,
                                memory_profile=e.memory.activation_source, placement=e.placement,
                                host_gb=e.memory.host_gb,
-                               host_optimizer=host_optimizer_of(context.offload.host, e.placement))
+                               host_optimizer=host_optimizer_of(context.offload.host, e.placement),
+                               host_update_in_backward=updates_in_backward(context.train, layout,
+                                                                           context.topo.world_size, e.placement))
     summary += _fixed_offload_note(plan)
     summary += (f"; predicted peak {e.memory.allocated_gb:.2f} GiB allocated, {e.memory.total_gb:.2f} GiB with "
                 f"margin and reserve (activations: {context.activations_note})")
@@ -387,6 +408,7 @@ def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
     where no GPU-resident plan fits; a fixed offload is its one rung), on the first rung of lins.tiling's that has one
     (``tiling_rungs``, walked by ``plan.sequence.walk``: untiled first)."""
     build = solve_plan if cfg.solve else fixed_plan
+    wants_updates_in_backward(facts, cfg)  # a refused lins.host_update_in_backward before anything is timed
     host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype))
 
     def tiled(mlp: int, logits: int, act) -> tuple:

@@ -101,10 +101,13 @@ def reduction_order(root, layers: list) -> list:
 
 class Executor:
     def __init__(self, module: torch.nn.Module, root, layers: list, reduce_dtype: torch.dtype, progress: Progress,
-                 gradients: bool = True):
-        """``gradients`` False: forward only (an engine without an optimizer): no backward hooks."""
+                 gradients: bool = True, on_final=None, before_forward=None):
+        """``gradients`` False: forward only (an engine without an optimizer): no backward hooks. ``on_final(unit)``:
+        called as each unit's G chunk becomes final inside a backward that ends the window (its host update may
+        start: ``HostOffload.final``). ``before_forward()``: called as an outermost forward starts (it may refuse it:
+        ``LinsRuntime.refuse_ahead``)."""
         self.module, self.root, self.layers, self.progress = module, root, layers, progress
-        self.gradients = gradients
+        self.gradients, self._on_final, self._before_forward = gradients, on_final, before_forward
         self.units = ([root] if root is not None else []) + layers
         self.position = {id(u): i for i, u in enumerate(layers)}
         self.reduce_dtype = reduce_dtype
@@ -212,6 +215,8 @@ class Executor:
             unit.wait_gather()
 
     def _root_pre_forward(self, module, args):
+        if self._before_forward is not None and not (self._forwards or self._in_backward):
+            self._before_forward()
         if not (self._forwards or self._generating or self._in_backward) and self._gathers():  # outermost, no recompute
             self._arrive_forward(module)
         self.progress.busy += 1  # until _root_forward_ends, which runs even where the forward raises
@@ -384,6 +389,8 @@ class Executor:
     def _after_reduce(self, unit: Unit) -> None:
         if self.progress.ends_window:  # the G chunk is final: its replica AllReduce overlaps the rest of backward
             self._start_replica_reduce(unit)
+            if self._on_final is not None and unit.grad_state is GradState.FINAL:  # one replica: final already
+                self._on_final(unit)
 
     def _start_replica_reduce(self, unit: Unit) -> None:
         """Launch the unit's replica AllReduce; copies in the reduce dtype are bounded in number."""

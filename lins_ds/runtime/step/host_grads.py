@@ -46,6 +46,7 @@ class HostGrads:
             ev.set()
         self._count = dict.fromkeys(units, 0)  # micro-batches pushed in this window
         self._sq: dict = {}  # unit -> the window's squared norm, once the backward that ends it pushed the unit
+        self._final = {u: threading.Event() for u in units}  # set once the window's last push of the unit is added
         self._scratch = torch.empty(min(HOST_PIECE, max((a.numel() for a in self.acc.values()), default=0)),
                                     dtype=torch.float32)
         self._queue: "queue.Queue" = queue.Queue()
@@ -72,6 +73,7 @@ class HostGrads:
         first = self._count[unit] == 0
         if first:  # the last step's host update of this unit reads the accumulator: done with it first
             self._wait_update(unit)
+            self._final[unit].clear()
         direct = first and src.dtype == self.accum_dtype
         if direct:
             dst = self.acc[unit]
@@ -99,6 +101,8 @@ class HostGrads:
                     self._add(*item)
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by square_sum()
                 self._error = e
+                for ev in self._final.values():  # whoever waits for a final accumulator stops waiting
+                    ev.set()
             finally:
                 if op is not None:  # it read the down buffer: the next push may write it
                     self._free[unit].set()
@@ -117,6 +121,7 @@ class HostGrads:
                 acc.add_(self._down[unit])
         if last:
             self._sq[unit] = square_sum(acc, self._scratch)
+            self._final[unit].set()
         else:
             self._sq.pop(unit, None)
 
@@ -142,6 +147,11 @@ class HostGrads:
         """Every gradient pushed so far added into its accumulator: from here until the next backward pushes, the
         accumulators are final (what a host update reads). The step calls it before any host update starts."""
         self._wait(self._queue.join)
+
+    def wait_final(self, unit) -> None:
+        """(A host thread) block until the window's last push of ``unit`` is added: its accumulator is final (an update
+        inside the last backward reads it then). Returns at once where the thread failed (``error()`` says why)."""
+        self._final[unit].wait()
 
     def drained(self) -> bool:
         return self._queue.unfinished_tasks == 0

@@ -4,6 +4,7 @@ while its update runs (``HostTicket``). The gradients come down and the updated 
 tier's storage seam (``storage.Tier``)."""
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
@@ -86,6 +87,8 @@ class HostUpdater:
                         for unit, masters in slices_by_unit]
         self._ticket_of: dict = {}  # unit -> its ticket of the last step
         self._lane = self.tier.lane()  # the step's gradients down, then the updated parameters up
+        self._down = self.tier.lane()  # the gradients down, unit by unit inside the last backward (``final``)
+        self._slices_of = dict(self.by_unit)
         self.coef = self.tier.allocate(1, torch.float32)
         # the fp32 gradient of the piece being updated: one buffer, reused (a fresh 128 MiB per piece costs its
         # page faults every time)
@@ -97,6 +100,7 @@ class HostUpdater:
         self.last_update_s = 0.0  # the worker's wall time in the last step (host updates and copies)
         self.last_spent_s: dict = {}  # ... of it waiting for the gradients, updating, launching the uploads
         self.waited_s = 0.0  # how long the main thread has blocked on host updates, in total (exposed host work)
+        self.ahead_hyperparameters: Optional[list] = None  # what the updates inside the last backward took
 
     def units(self) -> list:
         return [u for u, _ in self.by_unit]
@@ -133,7 +137,7 @@ class HostUpdater:
         """Begin the host updates (after ``download``); each unit enters UPDATING until the worker finishes it."""
         self._tickets = [HostTicket(self, u.name) for u, _ in self.by_unit]
         self._ticket_of = {u: t for (u, _), t in zip(self.by_unit, self._tickets)}
-        self._error = None
+        self._error, self.ahead_hyperparameters = None, None
         hyper = self.opt.hyperparameters()
         for (unit, _), ticket in zip(self.by_unit, self._tickets):
             unit.begin_host_update(ticket)
@@ -142,21 +146,86 @@ class HostUpdater:
         self._thread = threading.Thread(target=self._run, args=(events, hyper), name="lins-host-update", daemon=True)
         self._thread.start()
 
+    # --- updates inside the window's last backward (no clipping, no loss scale: the coefficient is known) ---------
+    def start_ahead(self, coef: float) -> None:
+        """At the start of the window's last backward: the worker starts, its units to come as their gradients are
+        final (``final``), each updated with ``coef`` (the averaging factor: no clipping, no loss scale) and the
+        engine optimizer's hyperparameters now (``ahead_hyperparameters``: ``step()`` checks they did not change)."""
+        self._tickets = [HostTicket(self, u.name) for u, _ in self.by_unit]  # the last step's are done (joined)
+        self._error = None
+        self.ahead_hyperparameters = self.opt.hyperparameters()
+        self._arrivals, self._delivered = queue.Queue(), 0
+        self._interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
+        self._thread = threading.Thread(target=self._work, args=(self._ahead(coef), self.ahead_hyperparameters),
+                                        name="lins-host-update", daemon=True)
+        self._thread.start()
+
+    def final(self, unit) -> None:
+        """(Training thread, inside the last backward) ``unit``'s gradient is final: down on a lane of its own (where
+        it is on the device) and to the worker; a unit not offloaded here is not its."""
+        slices = self._slices_of.get(unit)
+        if slices is None:
+            return
+        self._delivered += 1
+        if slices and slices[0].on_host:  # the host adds its last micro-batch: the worker waits for that
+            self._arrivals.put((unit, slices, None))
+            return
+        self._down.follow()  # written on the current stream
+        with self._down.issuing():
+            self._arrivals.put((unit, slices, self._down.download(
+                [(s.grad, s.master.range.grads()) for s in slices], keep=(unit.g_acc,))))
+
+    def begin_ahead(self) -> None:
+        """The backward ended (every unit at rest, every unit given to ``final``): each unit UPDATING with its ticket,
+        which the next window's first gradient of the unit waits for (``wait_unit``; inside this backward it waited
+        for the last step's, done)."""
+        self._ticket_of = {u: t for (u, _), t in zip(self.by_unit, self._tickets)}
+        for (unit, _), ticket in zip(self.by_unit, self._tickets):
+            unit.begin_host_update(ticket)
+
+    def _ahead(self, coef: float):
+        """The worker's units in the order their gradients become final (``final``), each once it is."""
+        tickets = dict(zip(self.units(), self._tickets))
+        for _ in self.by_unit:
+            item = self._arrivals.get()
+            if item is None:  # join() before every unit came: the backward broke off
+                raise RuntimeError("the window's last backward ended before every offloaded unit's gradient was final")
+            unit, slices, copied = item
+            if copied is None:
+                self._grads.wait_final(unit)
+                if self._grads.error():
+                    raise RuntimeError(self._grads.error())
+            else:
+                copied.synchronize()
+            yield slices, tickets[unit], coef
+
     def _run(self, events: list, hyper: list) -> None:
+        """The worker after ``start``: the units in forward order, each once its gradient (and the coefficient) came
+        down."""
+        def units():
+            for (unit, slices), ev, ticket in zip(self.by_unit, events, self._tickets):
+                ev.synchronize()
+                yield slices, ticket, float(self.coef[0])
+
+        self._work(units(), hyper)
+
+    def _work(self, units, hyper: list) -> None:
+        """Update each (slices, ticket, coefficient) ``units`` yields, once its gradient is final (the generator blocks
+        until then), and launch its upload; the time spent, by what the worker waited on, in ``last_spent_s``."""
         t0 = time.perf_counter()
         spent = dict.fromkeys(("download", "update", "upload"), 0.0)  # the worker's time by what it waited on
         try:
             with self._lane.worker(), torch.no_grad():
-                for (unit, slices), ev, ticket in zip(self.by_unit, events, self._tickets):
-                    t = time.perf_counter()
-                    ev.synchronize()
-                    coef = float(self.coef[0])
+                t = time.perf_counter()
+                for slices, ticket, coef in units:
                     t, spent["download"] = time.perf_counter(), spent["download"] + time.perf_counter() - t
                     for s in slices:
                         self._update(s, coef, hyper)
                     t, spent["update"] = time.perf_counter(), spent["update"] + time.perf_counter() - t
                     ticket.finish(self._upload(slices))
                     spent["upload"] += time.perf_counter() - t
+                    t = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - raised on every rank at the next step boundary (error())
             self._error = e
             for ticket in self._tickets:
@@ -193,6 +262,11 @@ class HostUpdater:
             ticket.wait()
 
     def join(self) -> None:
+        """The worker done; one started inside a backward that broke off (not every unit given to ``final``) is told
+        so, and fails (its units keep their values; every rank raises it at the next boundary)."""
+        if self._thread is not None and self.ahead_hyperparameters is not None and self._delivered < len(self.by_unit):
+            self._delivered = len(self.by_unit)
+            self._arrivals.put(None)
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -52,17 +52,20 @@ class HostPhase(enum.Enum):
     DRAINED = "drained"  # every pushed gradient added: the host accumulators are final until the update reads them
     DOWNLOADED = "downloaded"  # the clip coefficient and the device-held gradients are on their way down
     UPDATING = "updating"  # the worker runs (or ran) this step's updates; the next window's gradients may arrive
+    AHEAD = "ahead"  # the updates began inside the window's last backward (no clipping); step() has not taken them
 
 
-_I, _D, _L, _U = HostPhase.IDLE, HostPhase.DRAINED, HostPhase.DOWNLOADED, HostPhase.UPDATING
+_I, _D, _L, _U, _A = HostPhase.IDLE, HostPhase.DRAINED, HostPhase.DOWNLOADED, HostPhase.UPDATING, HostPhase.AHEAD
 # transition -> {phase it may start from: phase it leaves}; anything else is a HostProtocolError
 HOST_TRANSITIONS = {
-    "push": {_I: _I, _U: _U},  # a gradient down (the backward); never between drain and the update's start
+    "push": {_I: _I, _U: _U, _A: _A},  # a gradient down (the backward); never between drain and the update's start
+    "ahead": {_I: _A},  # the window's last backward starts, the updates with it (after a settle)
+    "take": {_A: _U},  # step(): the updates begun inside the backward are this step's (hyperparameters unchanged)
     "drain_grads": {_I: _D, _D: _D},
     "start_updates": {_D: _L},  # the update never starts before the gradients are final
     "begin": {_L: _U},
     "settle": {_I: _I, _D: _I, _L: _I, _U: _I},  # a step skipped (fp16 overflow) or broken off settles too
-}
+}                                                # (never AHEAD: the runtime refuses what would, ``refuse_ahead``)
 
 
 class HostProtocol:
@@ -163,6 +166,49 @@ class HostOffload:
             self.updater.start(self._downloads)
         self._downloads = None
 
+    # --- the updates inside the window's last backward (gradient_clipping 0, no loss scale) --------------------------
+    def begin_ahead(self, coef: float) -> None:
+        """The window's last backward starts (after ``settle``): the worker starts and takes each unit as its gradient
+        becomes final (``final``), updated with ``coef``."""
+        self.protocol.advance("ahead")
+        if self.updater is not None:
+            self.updater.start_ahead(coef)
+
+    @property
+    def ahead(self) -> bool:
+        """Updates began inside the window's last backward and no ``step()`` has taken them yet."""
+        return self.protocol.phase is HostPhase.AHEAD
+
+    def final(self, unit) -> None:
+        """``unit``'s gradient is final inside the last backward: its update starts where it is offloaded here."""
+        if self.ahead and self.updater is not None:
+            self.updater.final(unit)
+
+    def backward_ended(self) -> None:
+        """The last backward ended: each offloaded unit UPDATING (its next use waits for its own update)."""
+        if self.ahead and self.updater is not None:
+            self.updater.begin_ahead()
+
+    def take(self) -> None:
+        """``step()``: the updates begun inside the backward are this step's. The engine optimizer's hyperparameters
+        must be those they took (an LR set between that backward and the step would reach only the device's units):
+        otherwise every rank raises, naming what changed."""
+        self.protocol.advance("take")
+        error = None
+        if self.updater is not None:
+            now, then = self.updater.opt.hyperparameters(), self.updater.ahead_hyperparameters
+            changed = [(g, k, then[g][k], v) for g, group in enumerate(now) for k, v in group.items()
+                       if not _same(then[g].get(k), v)]
+            if changed:
+                g, k, old, new = changed[0]
+                error = (f"lins: the optimizer's param_groups[{g}][{k!r}] changed from {old} to {new} between the "
+                         "window's last backward and step(): with gradient_clipping 0 the offloaded units' host updates "
+                         f"start inside that backward (lins.host_update_in_backward) and took {old}. Set it before the "
+                         "backward, or set \"lins\": {\"host_update_in_backward\": false}")
+        error = comm.agree(error)
+        if error is not None:
+            raise RuntimeError(error)
+
     def settle(self) -> None:
         """The worker joined, and its failure on any rank raised on every rank with the failing rank's message. Every
         rank calls it at the same point: a step boundary, a save, a re-layout. (A failure of the gradient sums is
@@ -216,3 +262,10 @@ class HostOffload:
         if self.grads is not None:
             self.grads.close()
         self.grads, self.updater = None, None
+
+
+def _same(a, b) -> bool:
+    """Two hyperparameter values equal (a tensor LR compared by value)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    return a == b
