@@ -12,7 +12,8 @@
 #  7b     LLaMA-7B, seq 2048, micro-batch 1, gas 1, Lins with "gpu_memory_gb": 80 (the solver picks
 #         checkpointing and offload)
 # and of the parameter placement: p-smoke p-3b (P_BUDGET, 9.3 GiB by default); ratio (RATIOS="0.5" by default:
-# DeepSpeed ZeRO-3 + offload_optimizer.ratio); z2 (DeepSpeed ZeRO-2 + offload_optimizer alone). BREAKDOWN=1:
+# DeepSpeed ZeRO-3 + offload_optimizer.ratio); z2 (DeepSpeed ZeRO-2 + offload_optimizer alone); issue 59's
+# noclip-smoke, noclip, noclip-ds (gradient_clipping 1 and 0; then `python -m bench.host_exposed $OUT RUN...`). BREAKDOWN=1:
 # every 3b run times forward, backward and step apart; HOLD=1: keeps the logits until the backward (runs "_hold").
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
@@ -61,6 +62,21 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
     run 3b_lins_40 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}"
     run 3b_lins_30 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 30 "${L[@]}"
     run 3b_lins_footprint 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb "${FP:?}" "${L[@]}" ;;
+  noclip-smoke)  # issue 59: the tiny LLaMA, OS+G of every unit on the host, gradient_clipping 0: the host updates
+    # inside the last backward (CUDA lanes, the worker fed unit by unit), then after the step: the same losses
+    run smoke_noclip 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 --warmup-steps 2 \
+      --lins-offload '{"os": "cpu", "g": "cpu"}' --ds-set gradient_clipping=0 "${L[@]}"
+    run smoke_noclip_after 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 \
+      --warmup-steps 2 --lins-offload '{"os": "cpu", "g": "cpu"}' --ds-set gradient_clipping=0 \
+      --ds-set lins.host_update_in_backward=false "${L[@]}" ;;
+  noclip)  # issue 59: Lins at 40 GiB with clipping (updates after the backward) and without (inside it)
+    run 3b_lins_40_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}"
+    run 3b_lins_40_clip0 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 \
+      --ds-set gradient_clipping=0 "${L[@]}" ;;
+  noclip-ds)  # ... and DeepSpeed ZeRO-2 Offload with the same two settings
+    run 3b_zero2_offload_clip1 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
+    run 3b_zero2_offload_clip0 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" \
+      --ds-set gradient_clipping=0 ;;
   3b-ratio)
     run 3b_zero3_ratio 240 --deepspeed_config ds_configs/zero3_offload_ratio.json "${B3[@]}" ;;
   g-smoke)  # the offloaded units' gradients accumulated on the host (CUDA copy stream, pinned buffers, its thread)
