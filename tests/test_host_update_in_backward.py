@@ -77,11 +77,15 @@ def test_clipping_or_a_replica_allreduce_keeps_the_update_after_the_step():
             assert len(states) == STEPS
 
 
+P_SYNCED = {"p": [1, 1], "g": [2, 1], "os": [2, 1]}  # s_p < s_os: a P-sync collective follows every update
+
+
 def between_backward_and_step(what):
     """One window, then ``what`` between its last backward and the step; the error each rank raised (None)."""
     import deepspeed
 
-    engine = engine_for(SHARDED_ONE_NODE, PLACEMENTS[0], "auto" if what != "allowed read" else False)
+    plan = P_SYNCED if what == "destroy" else SHARDED_ONE_NODE
+    engine = engine_for(plan, PLACEMENTS[0], "auto" if what != "allowed read" else False)
     rank, p = torch.distributed.get_rank(), next(engine.module.parameters())
     for micro in range(GAS):
         x = batch(0, micro, rank, 96)
@@ -100,6 +104,11 @@ def between_backward_and_step(what):
             engine.save_checkpoint("/nonexistent-lins-test")
         elif what == "lr":
             engine.optimizer.param_groups[0]["lr"] *= 0.5
+        elif what == "set grad":
+            deepspeed.utils.safe_set_full_grad(p, torch.zeros_like(deepspeed.utils.safe_get_full_grad(p)))
+        elif what == "destroy":  # a script that stops there (its atexit too): no unit left waiting on a P-sync
+            engine.destroy()
+            return None
         deepspeed.utils.safe_get_full_grad(p)  # the gradient is readable: the update does not change it
         engine.step()
     except RuntimeError as e:
@@ -110,14 +119,14 @@ def between_backward_and_step(what):
     return error
 
 
-@pytest.mark.parametrize("what", ["read", "zero_grad", "forward", "save", "lr", "allowed read"])
+@pytest.mark.parametrize("what", ["read", "zero_grad", "forward", "save", "lr", "set grad", "destroy", "allowed read"])
 def test_what_would_see_the_early_update_is_refused_naming_the_way_out(what):
     for error in run(between_backward_and_step, 2, what, gpus_per_node=2):
-        if what == "allowed read":
+        if what in ("allowed read", "destroy"):
             assert error is None
         elif what == "lr":
             assert error is not None and "param_groups[0]['lr'] changed" in error, error
-            assert "host_update_in_backward" in error
+            assert "host_update_in_backward" in error and "load a checkpoint" in error
         else:
             assert error is not None and "engine.step() first" in error, error
             assert '"host_update_in_backward": false' in error
@@ -138,3 +147,90 @@ def bad_ahead(value, clip):
 def test_bad_values_are_named_on_every_rank(value, clip, words):
     for error in run(bad_ahead, 2, value, clip, gpus_per_node=2):
         assert error is not None and words in error, error
+
+
+def skipping_the_last_layers(ahead):
+    """Three layers, the last two skipped by every forward of the second window (LayerDrop): their units, unused,
+    still hold the first window's update when the second's last backward begins (a slow host: a prefetch finds it
+    still running and leaves it)."""
+    import time
+
+    import deepspeed
+
+    from lins_ds.runtime.step.host_updater import HostUpdater
+
+    real = HostUpdater._update
+    HostUpdater._update = lambda self, *a: (time.sleep(0.05), real(self, *a))[1]
+    skip = {"on": False}
+    model = tiny_llama(layers=3)
+
+    class Skipping(torch.nn.ModuleList):
+        def __getitem__(self, idx):
+            return list(self)[:1][idx] if isinstance(idx, slice) and skip["on"] else super().__getitem__(idx)
+
+    model.model.layers.__class__ = Skipping
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)), config=config(
+        {"plan": SHARDED_ONE_NODE, "offload": PLACEMENTS[0], "host_optimizer": "torch",
+         "host_update_in_backward": ahead}, gradient_clipping=0.0))
+    rank = torch.distributed.get_rank()
+    for step in range(3):  # no read between the steps: a state_dict() would finish the units' updates itself
+        skip["on"] = step == 1
+        for micro in range(GAS):
+            x = batch(step, micro, rank, 96)
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+    out = state(engine)
+    engine.destroy()
+    return out
+
+
+def test_units_a_window_skips_train_as_after_the_step():
+    for early, late in zip(run(skipping_the_last_layers, 2, "auto", gpus_per_node=2),
+                           run(skipping_the_last_layers, 2, False, gpus_per_node=2)):
+        assert max_err(early, late) == 0.0, max_err(early, late)
+
+
+def broken_backward_then_load(tmp):
+    """A last backward that raises midway (an OOM): the step refuses (some units took the update, some did not),
+    and a checkpoint load brings training back."""
+    engine = engine_for(SHARDED_ONE_NODE, {"os": "cpu", "g": "gpu"})
+    rank, boom = torch.distributed.get_rank(), {"on": False}
+
+    def hook(grad):
+        if boom["on"]:
+            boom["on"] = False
+            raise RuntimeError("boom (an OOM midway through the backward)")
+        return grad
+
+    first = engine.module.model.layers[0]
+    first.register_forward_hook(lambda m, a, o: (o[0] if isinstance(o, tuple) else o).register_hook(hook) and None)
+    train(engine, steps=1)
+    engine.save_checkpoint(tmp, tag="one")
+    saved = state(engine)
+    messages = []
+    for micro in range(GAS):
+        x = batch(1, micro, rank, 96)
+        loss = engine(input_ids=x, labels=x).loss
+        boom["on"] = micro == GAS - 1
+        try:
+            engine.backward(loss)
+        except RuntimeError as e:
+            messages.append(str(e))
+        if micro < GAS - 1:
+            engine.step()
+    try:
+        engine.step()
+    except RuntimeError as e:
+        messages.append(str(e))
+    engine.load_checkpoint(tmp, tag="one")
+    loaded = state(engine)
+    train(engine, steps=1)  # and on: no worker left waiting, no unit left updating
+    engine.destroy()
+    return messages, max_err(loaded, saved)
+
+
+def test_a_last_backward_that_breaks_off_is_refused_at_the_step_and_a_load_goes_on(tmp_path):
+    for messages, err in run(broken_backward_then_load, 2, str(tmp_path), gpus_per_node=2, timeout=300):
+        assert len(messages) == 2 and "boom" in messages[0], messages
+        assert "broke off" in messages[1] and "load a checkpoint" in messages[1], messages
+        assert err == 0.0

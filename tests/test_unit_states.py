@@ -51,8 +51,9 @@ P_GRID = [  # placement, start: the result of each of P_OPS, in order
     # the same unbalanced unhold of a unit gathered for use releases it (its parameters become empty), as partition()
     ("sharded", GD, [NOOP, NOOP, SH, GD, SH, NOOP, ERR, ERR, NOOP, ERR, NOOP, NOOP]),
     ("sharded", SY, [GI, GD, NOOP, GD, NOOP, SH, ERR, ERR, NOOP, ERR, SH, SH]),
-    # finish_host_update: SHARDED though this layout's P-sync (group of 2) has not run: the caller's (documented)
-    ("sharded", UP, [GI, GD, NOOP, GD, NOOP, SH, ERR, ERR, UP, SH, SH, ERR]),  # wait_all: as above
+    # finish_host_update: SHARDED though this layout's P-sync (group of 2) has not run: the caller's (documented);
+    # start_gather: a collective gather of a unit UPDATING waits for its use, done or not (the same on every rank)
+    ("sharded", UP, [NOOP, GD, NOOP, GD, NOOP, SH, ERR, ERR, UP, SH, SH, ERR]),  # wait_all: as above
     ("host", SH, [GI, GD, NOOP, GD, NOOP, SH, NOOP, UP, NOOP, ERR, NOOP, NOOP]),
     ("host", GI, [NOOP, GD, SH, GD, SH, SH, ERR, ERR, NOOP, ERR, NOOP, GD]),  # unhold: partition(), as above
     ("host", GD, [NOOP, NOOP, SH, GD, SH, NOOP, ERR, ERR, NOOP, ERR, NOOP, NOOP]),  # unhold: partition(), as above
@@ -247,7 +248,7 @@ def host_protocol_rows():
             host.protocol.phase = HostPhase(start)
             call = {"push": lambda: host.grads.push(unit, torch.ones(8)), "drain_grads": host.drain_grads,
                     "start_updates": lambda: host.start_updates(torch.ones(())), "begin": host.begin,
-                    "ahead": lambda: host.begin_ahead(1.0), "take": host.take, "settle": host.settle}[op]
+                    "ahead": lambda: host.begin_ahead(1.0), "take": lambda: (host.backward_ended(), host.take()), "settle": host.settle}[op]
             try:
                 call()
                 out[start, op] = host.protocol.phase.value

@@ -357,7 +357,7 @@ def load(trainee: Trainee, load_dir: str, tag=None, load_module_strict: bool = T
         return None, None, None
     with_state = load_optimizer_states and not load_module_only
     opt, runtime = trainee.optimizer, trainee.runtime
-    runtime.join_host()
+    runtime.join_host(replacing=True)  # the checkpoint replaces what updates begun in a last backward wrote
     with opened(found, trust_pickle) as ckpt:
         ckpt.kind_strict = found.kind == LINS
         agreed(lambda: ckpt.check(trainee, load_module_strict, with_state))

@@ -81,6 +81,7 @@ class FullValues:
         """``value`` (averaged over the ranks, as ``full_grad`` gives it) as the window's gradient of ``param`` in this
         rank's G accumulator; no collective."""
         self._require_window()
+        self.refuse_ahead("writing a gradient (safe_set_full_grad)")
         self.finish_gradients()
         self.host_grads_final()
         self._write_grad(param, value.detach().reshape(-1).float() * (self.topo.world_size * loss_scale))

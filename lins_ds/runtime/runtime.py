@@ -237,10 +237,25 @@ class LinsRuntime(FullValues):
         ``write_back()``), group-major, units in order: what a checkpoint saves and loads."""
         return list(self._masters.slices) if self._masters is not None else []
 
-    def join_host(self) -> None:
-        """This rank's host updates done (no collective): what a read of the host masters needs."""
+    def join_host(self, replacing: bool = False) -> None:
+        """This rank's host updates done (no collective): what a read of the host masters needs. ``replacing``: a
+        checkpoint load is about to replace the masters: updates begun inside a last backward that no step took are
+        abandoned (``abandon_ahead``) rather than refused."""
+        if replacing:
+            self.abandon_ahead()
         self.refuse_ahead("reading or writing a parameter's master or optimizer state")
         self._host.join()
+
+    def abandon_ahead(self) -> None:
+        """Updates begun inside a last backward that no step will take (a checkpoint load replaces the masters; the
+        engine is destroyed): the worker ended and every unit it held at rest, without a P-sync (whatever comes
+        next rewrites the P chunks or drops them). Nothing where none began."""
+        if not self._host.ahead:
+            return
+        self._host.abandon()
+        for unit in self._host_units:
+            if unit.param_state is ParamState.UPDATING:
+                unit.finish_host_update()
 
     def forget_host_failure(self) -> None:
         """A checkpoint load replaces what a failed host update left: training may go on."""
@@ -406,6 +421,8 @@ class LinsRuntime(FullValues):
         if (not again and ends and ahead_coef is not None and self._plan.host_update_in_backward
                 and self._host_units):
             self._host.settle()
+            for unit in self._host_units:  # one the window's forwards did not use may still hold the last step's
+                unit.wait_param_sync()     # update (no collective: such layouts have no P-sync group, or none left)
             self._host.begin_ahead(ahead_coef)
         self._progress.phase, self._progress.ends_window = Phase.BACKWARD, ends
         self._progress.window_done = False
@@ -703,6 +720,7 @@ class LinsRuntime(FullValues):
         """Idempotent; issues no collective (it runs from ``atexit`` and ``__del__`` too)."""
         if self._groups.destroyed:
             return
+        self.abandon_ahead()  # a unit still UPDATING from inside a last backward: its P-sync would be a collective
         self.wait()
         self._executor.remove_hooks()
         self._groups.destroy()

@@ -24,4 +24,4 @@ class LaunchFacts:
     gemm_dtype: torch.dtype  # the dtype the model's GEMMs run in (DeepSpeed's torch_autocast where it is on)
     device: torch.device
     topology: Topology
-    gradient_clipping: float = 0.0  # DeepSpeed's gradient_clipping (1.0 where the key is absent)
+    gradient_clipping: float = 1.0  # DeepSpeed's gradient_clipping (1.0 where the key is absent)

@@ -61,6 +61,7 @@ HOST_TRANSITIONS = {
     "push": {_I: _I, _U: _U, _A: _A},  # a gradient down (the backward); never between drain and the update's start
     "ahead": {_I: _A},  # the window's last backward starts, the updates with it (after a settle)
     "take": {_A: _U},  # step(): the updates begun inside the backward are this step's (hyperparameters unchanged)
+    "abandon": {_A: _I},  # ... or none's: a checkpoint load replaces what they wrote, or the engine is destroyed
     "drain_grads": {_I: _D, _D: _D},
     "start_updates": {_D: _L},  # the update never starts before the gradients are final
     "begin": {_L: _U},
@@ -101,6 +102,7 @@ class HostOffload:
         self.updater: Optional[HostUpdater] = None
         self.optimizer_name = ""
         self._downloads: Optional[list] = None  # start_updates' events, for begin
+        self._ended = False  # AHEAD: the last backward reached its end (``backward_ended``)
 
     # --- placement (the runtime, per plan) ----------------------------------------------------------------------
     def tier(self, name: str, device: Optional[torch.device] = None) -> Tier:
@@ -171,6 +173,7 @@ class HostOffload:
         """The window's last backward starts (after ``settle``): the worker starts and takes each unit as its gradient
         becomes final (``final``), updated with ``coef``."""
         self.protocol.advance("ahead")
+        self._ended = False  # backward_ended: the backward reached its end (every unit given to ``final``)
         if self.updater is not None:
             self.updater.start_ahead(coef)
 
@@ -186,16 +189,25 @@ class HostOffload:
 
     def backward_ended(self) -> None:
         """The last backward ended: each offloaded unit UPDATING (its next use waits for its own update)."""
-        if self.ahead and self.updater is not None:
-            self.updater.begin_ahead()
+        if self.ahead:
+            self._ended = True
+            if self.updater is not None:
+                self.updater.begin_ahead()
 
     def take(self) -> None:
-        """``step()``: the updates begun inside the backward are this step's. The engine optimizer's hyperparameters
-        must be those they took (an LR set between that backward and the step would reach only the device's units):
-        otherwise every rank raises, naming what changed."""
-        self.protocol.advance("take")
+        """``step()``: the updates begun inside the backward are this step's. That backward must have ended (one that
+        broke off left some units updated and others not), and the engine optimizer's hyperparameters must be those
+        they took (an LR set between that backward and the step would reach only the device's units): otherwise every
+        rank raises, naming what happened, before anything else of the step runs; the phase stays AHEAD, which only a
+        checkpoint load (``abandon``) leaves."""
+        if not self.ahead:
+            self.protocol.advance("take")  # refused (HostProtocolError), naming the phase
         error = None
-        if self.updater is not None:
+        if not self._ended:
+            error = ("lins: the window's last backward broke off after the offloaded units' host updates began inside "
+                     "it (gradient_clipping 0, lins.host_update_in_backward): some units hold this step's update and "
+                     "others do not; load a checkpoint to go on")
+        elif self.updater is not None:
             now, then = self.updater.opt.hyperparameters(), self.updater.ahead_hyperparameters
             changed = [(g, k, then[g][k], v) for g, group in enumerate(now) for k, v in group.items()
                        if not _same(then[g].get(k), v)]
@@ -204,10 +216,19 @@ class HostOffload:
                 error = (f"lins: the optimizer's param_groups[{g}][{k!r}] changed from {old} to {new} between the "
                          "window's last backward and step(): with gradient_clipping 0 the offloaded units' host updates "
                          f"start inside that backward (lins.host_update_in_backward) and took {old}. Set it before the "
-                         "backward, or set \"lins\": {\"host_update_in_backward\": false}")
+                         "backward, or set \"lins\": {\"host_update_in_backward\": false}; this step cannot be "
+                         "completed (its offloaded units took the old value): load a checkpoint to go on")
         error = comm.agree(error)
         if error is not None:
             raise RuntimeError(error)
+        self.protocol.advance("take")
+
+    def abandon(self) -> None:
+        """Updates begun inside a last backward that no step will take (a checkpoint load replaces what they wrote;
+        the engine is destroyed): the worker ended (told so where the backward broke off); the caller puts the units
+        it held at rest."""
+        self.join()
+        self.protocol.advance("abandon")
 
     def settle(self) -> None:
         """The worker joined, and its failure on any rank raised on every rank with the failing rank's message. Every

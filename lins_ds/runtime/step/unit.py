@@ -273,8 +273,11 @@ class Unit:
     def start_gather(self) -> None:
         """Launch the AllGather of the full parameters without waiting (prefetch); once per use: nothing to do
         when the gather is in flight or done. A P-sync still in flight is waited for first; a host update still
-        running is not (a prefetch must not block on it: ``wait_gather`` does)."""
-        if self._param_state is ParamState.UPDATING and not self._ticket.ready():
+        running is not (a prefetch must not block on it: ``wait_gather`` does). Where the gather is a collective
+        (P sharded), a unit still UPDATING is gathered at its use, never here: whether its update is done differs
+        by rank, and a prefetch that one rank made and another did not (a layer the forward then skips) would pair
+        the ranks' collectives wrongly."""
+        if self._param_state is ParamState.UPDATING and (self.sharded_p or not self._ticket.ready()):
             return
         self.wait_param_sync()
         if self._param_state is not ParamState.SHARDED:
