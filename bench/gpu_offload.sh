@@ -69,10 +69,10 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
     run smoke_noclip_after 200 --deepspeed_config ds_configs/lins.json --model tiny --seq-len 64 --steps 6 \
       --warmup-steps 2 --lins-offload '{"os": "cpu", "g": "cpu"}' --ds-set gradient_clipping=0 \
       --ds-set lins.host_update_in_backward=false "${L[@]}" ;;
-  noclip)  # issue 59: Lins at 40 GiB with clipping (updates after the backward) and without (inside it)
-    run 3b_lins_40_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}"
+  noclip)  # issue 59: Lins at 40 GiB without clipping (updates inside the last backward) and with (after it)
     run 3b_lins_40_clip0 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 \
-      --ds-set gradient_clipping=0 "${L[@]}" ;;
+      --ds-set gradient_clipping=0 "${L[@]}"
+    run 3b_lins_40_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}" ;;
   noclip-ds)  # ... and DeepSpeed ZeRO-2 Offload with the same two settings
     run 3b_zero2_offload_clip1 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
     run 3b_zero2_offload_clip0 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" \
