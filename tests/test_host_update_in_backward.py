@@ -44,7 +44,19 @@ def engine_for(plan, offload, ahead="auto", clip=0.0):
     return engine
 
 
+def slow_host_step(delay_s=0.02) -> None:
+    """This rank's host optimizer steps ``delay_s`` late, its master's gradient already set: the device units' update
+    (``step()``) then runs while host updates begun in the backward are still in flight, as on a GPU."""
+    import time
+
+    from lins_ds.runtime.step.host_optimizer import HostOptimizer
+
+    real = HostOptimizer.step
+    HostOptimizer.step = lambda self, *a: (time.sleep(delay_s), real(self, *a))[1]
+
+
 def trajectories(cases):
+    slow_host_step()
     starts = count_ahead_starts()
     out = []
     for plan, offload, ahead, clip in cases:

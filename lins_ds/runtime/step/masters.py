@@ -143,15 +143,27 @@ class Masters:
 
     def update(self, coef: torch.Tensor) -> None:
         """The device slices' update, batch by batch: fp32 gradients for one batch alone (scaled by ``coef``), then
-        the basic optimizer, which skips parameters without a gradient; the result written into the P storage."""
-        for batch in self.update_batches:
-            for s in batch:
-                g = s.grad_view()
-                s.param.grad = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)
-            self.basic.step()
-            for s in batch:
-                s.write_back()
-                s.param.grad = None
+        the basic optimizer over that batch's parameters alone; the result written into the P storage. Alone: the
+        host slices are the basic optimizer's parameters too, and a host update begun inside the last backward may
+        be running now, its master's ``.grad`` set (``host_optimizer.update_piece``): a step over every parameter
+        would update that master a second time."""
+        groups = self.basic.param_groups
+        every = [g["params"] for g in groups]
+        try:
+            for batch in self.update_batches:
+                mine = {id(s.param) for s in batch}
+                for g, params in zip(groups, every):
+                    g["params"] = [p for p in params if id(p) in mine]
+                for s in batch:
+                    g = s.grad_view()
+                    s.param.grad = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)
+                self.basic.step()
+                for s in batch:
+                    s.write_back()
+                    s.param.grad = None
+        finally:
+            for g, params in zip(groups, every):
+                g["params"] = params
 
     # --- moves (a re-plan: docs/design.md §14) ------------------------------------------------------------------------
     @torch.no_grad()
