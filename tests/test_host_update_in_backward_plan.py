@@ -151,3 +151,16 @@ def test_plan_cli_clipping_zero_prices_updates_in_the_backward(capsys):
 def test_plan_cli_fp16_keeps_waiting_for_every_gradient(capsys):
     line = _offload_line(capsys, "--gradient-clipping", "0", "--dtype", "fp16")  # loss scaling checks every gradient
     assert "not hidden by the next forward (clipping waits for every gradient)" in line
+
+
+def test_the_worker_takes_the_unit_the_forward_needs_first_of_those_final():
+    """Root + four equal layers, the last three offloaded, 1 s each on the host, a backward of 1 s (the layers final at
+    0.25, 0.5, 0.75 s, last first) and a forward of 4 s (0.8 s a unit). At 1.25 s the worker has the fourth layer done
+    and the second and third final: it takes the second (the forward's next), done at 2.25 s, then the third (3.25 s).
+    The forward from 1 s: root and first layer until 2.6 s, then the second (done), the third (done at 3.25 < 3.4),
+    the fourth: nothing waits. In the order they came (fourth, third, second) the second would be done at 3.25 s and
+    the step would wait 0.65 s."""
+    from lins_ds.plan.offload import updated_in_backward
+
+    assert abs(updated_in_backward([1, 1, 1, 1, 1], [1.0, 1.0, 1.0], 4.0, 1.0, True)) < 1e-9
+    assert abs(updated_in_backward([1, 1, 1, 1, 1], [1.0, 1.0, 1.0], 4.0, 1.0, False) - 2.25) < 1e-9

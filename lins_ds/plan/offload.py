@@ -423,15 +423,19 @@ def gradient_final_seconds(units: list, backward_s: float) -> list:
 def updated_in_backward(units: list, times: list, forward_s: float, backward_s: float, hides: bool) -> float:
     """What a step waits for the updates of the last ``len(times)`` units (each taking ``times[i]``) where each
     starts as its gradient is final in the window's last backward: one clock from that backward's start, the worker
-    takes them one at a time in the order their gradients become final (the last unit first, the root last); the
-    next forward starts when the backward ends, the resident units' first, and an offloaded unit's forward waits for
-    its own update. ``hides`` False (a P-sync follows every update, in ``step()``): the step waits for the last."""
+    takes them one at a time, of those whose gradients are final the one the next forward needs first (the
+    gradients become final last unit first, the root's last of all); the next forward starts when the backward
+    ends, the resident units' first, and an offloaded unit's forward waits for its own update. ``hides`` False (a
+    P-sync follows every update, in ``step()``): the step waits for the last."""
     first = len(units) - len(times)
     final = gradient_final_seconds(units, backward_s)[first:]
-    done, free = [0.0] * len(times), 0.0
-    for i in reversed(range(len(times))):  # gradients final last unit first; the root's (index 0) last of all
-        free = max(free, final[i]) + times[i]
+    done, free, left = [0.0] * len(times), 0.0, set(range(len(times)))
+    while left:
+        free = max(free, min(final[i] for i in left))  # idle until a gradient is final
+        i = min(j for j in left if final[j] <= free)  # forward order among those final
+        free += times[i]
         done[i] = free
+        left.remove(i)
     if not hides:
         return max(0.0, free - backward_s)
     total = sum(units)

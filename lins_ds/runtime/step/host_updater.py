@@ -185,12 +185,21 @@ class HostUpdater:
             unit.begin_host_update(ticket)
 
     def _ahead(self, coef: float):
-        """The worker's units in the order their gradients become final (``final``), each once it is."""
+        """The worker's units as their gradients become final (``final``): of those that came, the one the next forward
+        needs first (the backward makes them final last unit first, and the worker falls behind it), each once its
+        gradient is down."""
         tickets = dict(zip(self.units(), self._tickets))
+        order = {u: i for i, u in enumerate(self.units())}  # forward order
+        came: list = []
         for _ in self.by_unit:
-            item = self._arrivals.get()
-            if item is None:  # join() before every unit came: the backward broke off
+            if not came:
+                came.append(self._arrivals.get())
+            while not self._arrivals.empty():
+                came.append(self._arrivals.get_nowait())
+            if any(item is None for item in came):  # join() before every unit came: the backward broke off
                 raise RuntimeError("the window's last backward ended before every offloaded unit's gradient was final")
+            item = min(came, key=lambda it: order[it[0]])
+            came.remove(item)
             unit, slices, copied = item
             if copied is None:
                 self._grads.wait_final(unit)
