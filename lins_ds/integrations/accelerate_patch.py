@@ -76,6 +76,28 @@ def install_plugin() -> None:
 
     __post_init__._lins_patched = True
     DeepSpeedPlugin.__post_init__ = __post_init__
+    install_config_process()
+
+
+def install_config_process() -> None:
+    """accelerate (and so the HF Trainer) fills every ``"auto"`` of a DeepSpeed config from its own values and refuses
+    one it has none for ("... not found in kwargs"); the ``lins`` block's ``"auto"`` values (``lins.offload``,
+    ``lins.tiling``, ...) are Lins' own, which accelerate knows nothing of: it walks the config without that block."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    original = DeepSpeedPlugin.deepspeed_config_process
+    if getattr(original, "_lins_patched", False):
+        return
+
+    def deepspeed_config_process(self, prefix="", mismatches=None, config=None, must_match=True, **kwargs):
+        if not prefix:
+            config = self.deepspeed_config if config is None else config
+            if isinstance(config, dict) and isinstance(config.get("lins"), dict):
+                config = {k: v for k, v in config.items() if k != "lins"}
+        return original(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match, **kwargs)
+
+    deepspeed_config_process._lins_patched = True
+    DeepSpeedPlugin.deepspeed_config_process = deepspeed_config_process
 
 
 def install_training_args() -> None:

@@ -198,7 +198,7 @@ class HostOffload:
         """``step()``: the updates begun inside the backward are this step's. That backward must have ended (one that
         broke off left some units updated and others not), and the engine optimizer's hyperparameters must be those
         they took (an LR set between that backward and the step would reach only the device's units): otherwise every
-        rank raises, naming what happened, before anything else of the step runs; the phase stays AHEAD, which only a
+        rank raises, naming what happened, before any update of the step; the phase stays AHEAD, which only a
         checkpoint load (``abandon``) leaves."""
         if not self.ahead:
             self.protocol.advance("take")  # refused (HostProtocolError), naming the phase
@@ -209,7 +209,7 @@ class HostOffload:
                      "others do not; load a checkpoint to go on")
         elif self.updater is not None:
             now, then = self.updater.opt.hyperparameters(), self.updater.ahead_hyperparameters
-            changed = [(g, k, then[g][k], v) for g, group in enumerate(now) for k, v in group.items()
+            changed = [(g, k, then[g].get(k), v) for g, group in enumerate(now) for k, v in group.items()
                        if not _same(then[g].get(k), v)]
             if changed:
                 g, k, old, new = changed[0]
