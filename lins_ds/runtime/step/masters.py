@@ -140,6 +140,9 @@ class Masters:
         units = list(dict.fromkeys(s.range.unit for s in on_gpu))
         self.update_batches = ([[s for s in on_gpu if s.range.unit is u] for u in units]
                                if steps_per_parameter(self.basic) else [on_gpu] if on_gpu else [])
+        # each batch's parameters per param group, in the group's order: what ``update`` steps the optimizer over
+        self._batch_params = [[[s.param for s in batch if s.range.group == gi]
+                               for gi in range(len(self.basic.param_groups))] for batch in self.update_batches]
 
     def update(self, coef: torch.Tensor) -> None:
         """The device slices' update, batch by batch: fp32 gradients for one batch alone (scaled by ``coef``), then
@@ -150,10 +153,9 @@ class Masters:
         groups = self.basic.param_groups
         every = [g["params"] for g in groups]
         try:
-            for batch in self.update_batches:
-                mine = {id(s.param) for s in batch}
-                for g, params in zip(groups, every):
-                    g["params"] = [p for p in params if id(p) in mine]
+            for batch, by_group in zip(self.update_batches, self._batch_params):
+                for g, params in zip(groups, by_group):
+                    g["params"] = params
                 for s in batch:
                     g = s.grad_view()
                     s.param.grad = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)
@@ -207,7 +209,7 @@ class Masters:
         for group in self.basic.param_groups:
             group["params"] = []
         self.basic.state.clear()
-        self.slices, self.update_batches = [], []
+        self.slices, self.update_batches, self._batch_params = [], [], []
 
     # --- a unit's OS chunk as one tensor (re-layout: ``step/staging.py``) ------------------------------------------
     def export_os(self, unit, key: str, chunk: torch.Tensor, os_start: int) -> torch.Tensor:
