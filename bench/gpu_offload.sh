@@ -13,7 +13,8 @@
 #         checkpointing and offload)
 # and of the parameter placement: p-smoke p-3b (P_BUDGET, 9.3 GiB by default); ratio (RATIOS="0.5" by default:
 # DeepSpeed ZeRO-3 + offload_optimizer.ratio); z2 (DeepSpeed ZeRO-2 + offload_optimizer alone); issue 59's
-# noclip-smoke, noclip, noclip-ds (gradient_clipping 1 and 0; then `python -m bench.host_exposed $OUT RUN...`). BREAKDOWN=1:
+# noclip-smoke, noclip, noclip-ds, noclip-fp (gradient_clipping 1 and 0; Lins at ZeRO-2's footprint, after noclip-ds in
+# the same invocation; then `python -m bench.host_exposed $OUT RUN...`). BREAKDOWN=1:
 # every 3b run times forward, backward and step apart; HOLD=1: keeps the logits until the backward (runs "_hold").
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
@@ -30,7 +31,10 @@ run() {  # run <name> <timeout s> <bench.train args...>
     "$OUT/$name.log" | grep -v "^step    [3-7] " | tail -14 | tee -a "$OUT/log.txt"
   grep -E "^host memory used" "$OUT/$name.log" | tee -a "$OUT/log.txt"
 }
-M3=bench/models/llama-2.9b.json
+# M3=<model JSON> (default the 2.9B LLaMA) and P=<prefix> (default 3b) for the noclip parts: the same runs on another
+# family, e.g. M3=bench/models/hub-qwen2.5-3b.json P=q3
+M3=${M3:-bench/models/llama-2.9b.json}
+P=${P:-3b}
 B3=(--model $M3 --seq-len 4096 --micro-batch-size 2 --grad-accum 2 --steps 8 --warmup-steps 3 --checkpointing
     ${BREAKDOWN:+--breakdown} ${HOLD:+--hold-outputs})
 L=(--lins-init per_module)
@@ -70,13 +74,20 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
       --warmup-steps 2 --lins-offload '{"os": "cpu", "g": "cpu"}' --ds-set gradient_clipping=0 \
       --ds-set lins.host_update_in_backward=false "${L[@]}" ;;
   noclip)  # issue 59: Lins at 40 GiB without clipping (updates inside the last backward) and with (after it)
-    run 3b_lins_40_clip0 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 \
+    run ${P}_lins_40_clip0 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 \
       --ds-set gradient_clipping=0 "${L[@]}"
-    run 3b_lins_40_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}" ;;
+    run ${P}_lins_40_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}" ;;
   noclip-ds)  # ... and DeepSpeed ZeRO-2 Offload with the same two settings
-    run 3b_zero2_offload_clip1 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
-    run 3b_zero2_offload_clip0 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" \
+    run ${P}_zero2_offload_clip1 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
+    run ${P}_zero2_offload_clip0 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" \
       --ds-set gradient_clipping=0 ;;
+  noclip-fp)  # ... and Lins at ZeRO-2 Offload's own footprint (its reserved peak, clip 1 run, + Lins' 2 GiB reserve;
+    # FP=<GiB> where it ran in another call), the caching allocator capped at that peak (the card it plans for)
+    fp=${FP:-$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['peak_reserved_gb'] + 2.0, 2))" \
+      "$OUT/${P}_zero2_offload_clip1.json")}
+    echo "ZeRO-2 Offload footprint + reserve: $fp GiB" | tee -a "$OUT/log.txt"
+    run ${P}_lins_fp_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb "$fp" \
+      --gpu-cap-gb "$(python3 -c "print($fp - 2)")" "${L[@]}" ;;
   3b-ratio)
     run 3b_zero3_ratio 240 --deepspeed_config ds_configs/zero3_offload_ratio.json "${B3[@]}" ;;
   g-smoke)  # the offloaded units' gradients accumulated on the host (CUDA copy stream, pinned buffers, its thread)
