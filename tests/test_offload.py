@@ -691,10 +691,10 @@ def test_the_host_speeds_a_step_is_priced_with_are_timed_beside_a_training_like_
     beside = []
     rates = {False: 3.0e9, True: 2.2e9}  # the update's speed alone and beside a busy thread, as seen on one H100 host
 
-    def timed_update(basic, kind, device, elems):
+    def timed_update(basic, kind, device, elems, grad_dtype):
         busy = any(t.name == "lins-training-stand-in" for t in threading.enumerate())
         beside.append(("update", busy, sys.getswitchinterval()))
-        return rates[busy], "torch AdamW (fused, CPU)"
+        return rates[busy], "torch AdamW (fused, CPU)", host_optimizer.BLOCKS, 1
 
     def timed_accumulate(device, elems, accum, reduce):
         beside.append(("accumulate", any(t.name == "lins-training-stand-in" for t in threading.enumerate()), None))
@@ -702,13 +702,16 @@ def test_the_host_speeds_a_step_is_priced_with_are_timed_beside_a_training_like_
 
     monkeypatch.setattr(host_optimizer, "_time_update", timed_update)
     monkeypatch.setattr(host_optimizer, "_time_accumulate", timed_accumulate)
+    monkeypatch.setattr(host_optimizer.host_bandwidth, "obtain",
+                        lambda *a, **k: host_optimizer.host_bandwidth.HostBandwidth(84.0, 90.0, 1 << 28, 1))
     interval = sys.getswitchinterval()
     basic = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
     host, kind = host_optimizer.measure(basic, "torch", torch.device("cpu"), 8.0, elems=1024)
     assert kind == "torch" and host.update_elems_per_s == 2.2e9  # what a step sees, not the idle host's 3.0
     assert [(what, busy) for what, busy, _ in beside] == [("update", False), ("update", True), ("accumulate", True)]
     assert beside[1][2] == host_optimizer.SWITCH_INTERVAL_S  # the GIL handed over as HostUpdater has it
-    assert "beside a training-like thread" in host.source and "alone 3.00 G elements/s" in host.source
+    assert "beside a training-like thread" in host.source and "the update alone 3.00 G elements/s" in host.source
+    assert "of the host's 84.0 GB/s copy bandwidth" in host.source
     assert sys.getswitchinterval() == interval and not any(t.name == "lins-training-stand-in"
                                                            for t in threading.enumerate())
 

@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from .host_memory import HOST_PIECE, PinnedHost, square_sum
+from ... import comm
+from .host_memory import HOST_PIECE, PinnedHost, host_threads, intra_op_threads, square_sum
 from .storage import Tier
 
 __all__ = ["HostGradSlot", "HostGrads"]
@@ -50,6 +51,7 @@ class HostGrads:
         self._scratch = torch.empty(min(HOST_PIECE, max((a.numel() for a in self.acc.values()), default=0)),
                                     dtype=torch.float32)
         self._queue: "queue.Queue" = queue.Queue()
+        self.threads = host_threads(comm.local_world_size())  # its sums run beside the training thread's backward
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="lins-host-grads", daemon=True)
         self._thread.start()
@@ -98,7 +100,8 @@ class HostGrads:
             unit, _, op, _ = item
             try:
                 if self._error is None:
-                    self._add(*item)
+                    with intra_op_threads(self.threads):  # per item: torch's default for new threads stays its own
+                        self._add(*item)
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by square_sum()
                 self._error = e
                 for ev in self._final.values():  # whoever waits for a final accumulator stops waiting

@@ -1,9 +1,13 @@
 """Host memory for offload (docs/design.md §13): page-locked buffers for copies to and from a GPU, the tier they make
-(``PinnedHost``, the one implementation of ``storage.Tier``), and the host's passes over them that more than one
-component takes."""
+(``PinnedHost``, the one implementation of ``storage.Tier``), the host's passes over them that more than one
+component takes, and the threads those passes run on (``host_threads``, ``intra_op_threads``)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
+import os
 import weakref
 
 import torch
@@ -14,6 +18,61 @@ HOST_PIECE = 1 << 25  # elements per host master tensor (128 MiB in fp32): few e
 # waits for the GIL, small enough that the first update starts soon and memory-bound temporaries stay small
 SWITCH_INTERVAL_S = 5e-4  # while a host thread works: the training thread hands over the GIL within 0.5 ms, not 5
 REGISTER_MIN_BYTES = 1 << 20  # host_empty: smaller pinned buffers come from torch's caching allocator
+TRAINING_THREAD_CORES = 1  # what each rank's training thread keeps busy while a host thread works beside it
+CPU_MAX = "/sys/fs/cgroup/cpu.max"  # a cgroup v2 CPU quota ("max 100000": none)
+
+
+def usable_cores(cpu_max: str = CPU_MAX) -> int:
+    """The cores this process may run on: its affinity, or fewer where a cgroup quota allows less CPU time (a
+    container that sees the host's cores but may use a share of them)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def host_threads(ranks_per_node: int = 1, cores: int = 0) -> int:
+    """Intra-op threads for a host thread's passes (the host update's, the gradient sums'): this rank's share of the
+    usable cores (``usable_cores``, shared by the node's ``ranks_per_node`` ranks) less the core its training thread
+    keeps busy launching the device's work, at most torch's own setting (OMP_NUM_THREADS, torch.set_num_threads,
+    a launcher's choice), at least 1.
+
+    Why not torch's setting itself: it is a team of every core, and the training thread runs beside it. One of
+    the team's threads then shares a core with the training thread, and each parallel region (every op over a
+    piece) ends when that thread is scheduled again, a time slice later. The blocked update runs four such regions
+    per cache-sized block, not four per piece, so on a 2-core slice with the training thread busy it ran 2-3x
+    slower than the staged update; with the team one core short of the cores, no region waits for a time slice."""
+    share = (cores or usable_cores()) // max(1, ranks_per_node)
+    return max(1, min(torch.get_num_threads(), share - TRAINING_THREAD_CORES))
+
+
+@functools.lru_cache(maxsize=None)
+def per_thread_counts() -> bool:
+    """Whether torch's intra-op thread count is the calling thread's own (the OpenMP backend: each thread that
+    calls a parallel op leads a team of its own size). With the native backend every thread shares one pool, whose
+    size may not change once it has run: there a host thread keeps torch's setting."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """The calling thread's parallel ops run on ``n`` threads inside the block (where ``per_thread_counts``), then on
+    what they ran on before. The training thread's own count is not touched; torch's default for threads that make
+    their first parallel call meanwhile is ``n`` (``torch.set_num_threads`` sets both)."""
+    before = torch.get_num_threads()
+    if n == before or n < 1 or not per_thread_counts():
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,11 @@
 """The host optimizer of offloaded units (docs/design.md §13): the engine optimizer's hyperparameters with a CPU
-implementation of its update, and the start-up measurement of this host's offload speeds (``measure``)."""
+implementation of its update, and the start-up measurement of this host's offload speeds (``measure``).
+
+The update is memory-bound (``lins_ds.plan.host_update`` counts its bytes per element), so it is written to move as
+few bytes as the numerics allow: torch's fused Adam/AdamW kernel is element-wise, so a piece is updated in blocks
+that stay in the last-level cache (``block_elems``) — the gradient made fp32 and scaled, the kernel on the block's
+views, the master cast for the upload — and nothing but the state and the two copies crosses memory (28 bytes per
+bf16 element, where four passes over the whole piece moved 48). The results are the same bits."""
 
 from __future__ import annotations
 
@@ -13,11 +19,46 @@ from typing import Optional
 
 import torch
 
+from ... import comm
+from ...plan.host_update import BLOCKS, PIECE, achieved_fraction, bytes_per_element
 from ...plan.offload import HostSpec
+from ...profiler import host_bandwidth
 from ..errors import LinsConfigError
-from .host_memory import HOST_PIECE, SWITCH_INTERVAL_S, host_empty, square_sum
+from .host_memory import HOST_PIECE, SWITCH_INTERVAL_S, host_empty, host_threads, intra_op_threads, square_sum
 
 PREFER_DEEPSPEED = 1.25  # "auto" takes DeepSpeedCPUAdam only this much faster than torch's: it holds the GIL
+# A block starts at a multiple of every vector width and of the fused kernel's task unit (16 fp32 elements, a cache
+# line): each element takes the same code path (vector body or scalar tail) as in one call over the whole piece.
+BLOCK_ALIGN = 1024
+# Last-level cache per element of a block: the ~28 bytes it holds there between the passes over it (bf16 gradient and
+# parameter copy, fp32 gradient, master and moments) take under a quarter of the cache, since a shared cache (other
+# processes and tenants, a non-inclusive cache's other victims) holds less than its size says. On a 2-core slice of a
+# 300 MiB Emerald Rapids cache, blocks of 1-2 M elements ran 18 % faster than the staged update, 4.9 M no faster.
+BLOCK_CACHE_BYTES = 128
+# At least this many elements per block: at most 32 blocks, 128 calls, per HOST_PIECE. Each call is a parallel region
+# (~15 us on 16 threads, more where the threads outnumber the free cores) and a GIL hand-over.
+MIN_BLOCK = 1 << 20
+# ``measure`` times an update that scales: the coefficient (1 / ranks, times the clip factor) is rarely exactly 1, the
+# one value whose pass is skipped
+TIMED_COEF = 0.5
+
+
+def block_elems(llc_bytes: int, sharers: int = 1) -> int:
+    """Elements per block of a piece's update: what fits the share of the last-level cache (``llc_bytes``) one of
+    the ``sharers`` ranks updating at once may use, from ``MIN_BLOCK`` to ``HOST_PIECE``, a multiple of
+    ``BLOCK_ALIGN``."""
+    n = llc_bytes // (BLOCK_CACHE_BYTES * max(1, sharers))
+    return max(MIN_BLOCK, min(HOST_PIECE, n)) // BLOCK_ALIGN * BLOCK_ALIGN
+
+
+def _fused_kernels() -> bool:
+    """Whether this torch has the fused Adam/AdamW kernels the blocked update calls."""
+    return hasattr(torch, "_fused_adam_") and hasattr(torch, "_fused_adamw_")
+
+
+def _scalar(x):
+    """A hyperparameter as the fused kernel takes it (torch's ``_to_scalar``: a one-element tensor's value)."""
+    return x.item() if torch.is_tensor(x) and x.numel() == 1 else x
 
 
 def adam_mode(basic) -> Optional[bool]:
@@ -61,7 +102,10 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampenin
 class HostOptimizer:
     """The offloaded slices' optimizer: the engine optimizer's hyperparameters (taken from its param groups as each
     step's host updates start, so LR schedulers act on both), its own CPU implementation, the engine optimizer's
-    state dict (so checkpoints see one optimizer)."""
+    state dict (so checkpoints see one optimizer). ``path``: how a piece is updated (``plan.host_update``): BLOCKS
+    with torch's fused Adam/AdamW, else PIECE (the optimizer's own step over the whole piece). ``threads``: the
+    intra-op threads the update runs on (``host_memory.host_threads``), applied by whoever runs it
+    (``HostUpdater``'s worker, ``measure``) with ``host_memory.intra_op_threads``."""
 
     def __init__(self, basic, masters_by_group: list, kind: str, device: torch.device):
         self.basic, self.kind = basic, kind
@@ -90,6 +134,10 @@ class HostOptimizer:
             self.name = f"{type(basic).__name__} (CPU)"
         self.opt.state = basic.state  # one state dict: checkpoints and load_checkpoint see every slice
         self._int_step = ds_cls is not None
+        self.path = BLOCKS if ds_cls is None and mode is not None and _fused_kernels() else PIECE
+        self.block = block_elems(host_bandwidth.last_level_cache_bytes(), comm.local_world_size())
+        self.threads = host_threads(comm.local_world_size())
+        self._group_of = {p: g for g in self.opt.param_groups for p in g["params"]}
 
     def hyperparameters(self) -> list:
         """The engine optimizer's hyperparameters now, per group: taken on the training thread when the step's host
@@ -99,64 +147,135 @@ class HostOptimizer:
 
     def step(self, masters: list, hyper: list) -> None:
         """One update of ``masters`` (their ``.grad`` set) with ``hyper`` (``hyperparameters()``)."""
+        self._take(hyper)
+        self._own_steps(masters)
+        if isinstance(self.opt, torch.optim.Optimizer) and type(self.opt) is type(self.basic):
+            type(self.basic).step(self.opt)  # the class's step: a scheduler may have wrapped the instance's own
+        else:
+            self.opt.step()
+
+    def update(self, master: torch.Tensor, grad: torch.Tensor, up: Optional[torch.Tensor], scratch: torch.Tensor,
+               coef: float, hyper: list) -> None:
+        """One host piece's update (``update_piece``) along ``path``."""
+        if self.path == BLOCKS:
+            self._take(hyper)
+            self._own_steps([master])
+            with torch.no_grad():
+                self._fused_blocks(master, grad, up, scratch, coef)
+            return
+        g = scratch[:grad.numel()]
+        flat = grad.reshape(-1)
+        for a in range(0, g.numel(), self.block):  # each block's scaling reads and writes cache, not memory
+            _scaled(g[a:a + self.block], flat[a:a + self.block], coef)
+        master.grad = g.view_as(master)
+        self.step([master], hyper)
+        master.grad = None
+        if up is not None:
+            up.copy_(master.data)
+
+    def _take(self, hyper: list) -> None:
         for mine, values in zip(self.opt.param_groups, hyper):
             mine.update(values)
-        for p in masters:  # a checkpoint may have been written by the other kind of optimizer
+
+    def _own_steps(self, masters: list) -> None:
+        """Step counts as this kind keeps them: a checkpoint may have been written by the other kind of optimizer."""
+        for p in masters:
             st = self.opt.state.get(p)
             if st and "step" in st:
                 if self._int_step and torch.is_tensor(st["step"]):
                     st["step"] = int(st["step"].item())
                 elif not self._int_step and (not torch.is_tensor(st["step"]) or st["step"].dtype != torch.float32):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
-        if isinstance(self.opt, torch.optim.Optimizer) and type(self.opt) is type(self.basic):
-            type(self.basic).step(self.opt)  # the class's step: a scheduler may have wrapped the instance's own
-        else:
-            self.opt.step()
+
+    def _fused_state(self, master: torch.Tensor, group: dict) -> dict:
+        """``master``'s state as torch's fused Adam keeps it (made as its ``_init_group`` makes it at the first step),
+        its step counted once for the whole piece, before the kernel reads it (as ``_fused_adam`` does)."""
+        state = self.opt.state[master]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+            for name in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
+                state[name] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        state["step"].add_(1)
+        return state
+
+    def _fused_blocks(self, master: torch.Tensor, grad: torch.Tensor, up: Optional[torch.Tensor],
+                      scratch: torch.Tensor, coef: float) -> None:
+        """torch's fused Adam/AdamW kernel on ``master``, one cache-sized block at a time: the block's gradient made
+        fp32 and scaled in ``scratch``, the kernel on the block's views of master and moments, the block's master
+        cast into ``up``. The kernel is element-wise and every block starts at a multiple of ``BLOCK_ALIGN``, so this
+        is the class's step over the whole piece, bit for bit, without the fp32 gradient and the master crossing
+        memory again between the passes."""
+        group = self._group_of[master]
+        state = self._fused_state(master, group)
+        decoupled = isinstance(self.opt, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        hyper = dict(amsgrad=group["amsgrad"], lr=group["lr"], beta1=_scalar(beta1), beta2=_scalar(beta2),
+                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
+        p, g_in = master.detach().view(-1), grad.reshape(-1)
+        m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        vmax = state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
+        steps = [state["step"]]
+        for a in range(0, p.numel(), self.block):
+            b = min(p.numel(), a + self.block)
+            g = _scaled(scratch[:b - a], g_in[a:b], coef)
+            kernel([p[a:b]], [g], [m[a:b]], [v[a:b]], [vmax[a:b]] if vmax is not None else [], steps, **hyper)
+            if up is not None:
+                up[a:b].copy_(p[a:b])
+
+
+def _scaled(dst: torch.Tensor, src: torch.Tensor, coef: float) -> torch.Tensor:
+    """``src`` as fp32 in ``dst``, times ``coef`` (no pass where it is 1: x * 1.0 is x, bit for bit)."""
+    dst.copy_(src)
+    if coef != 1.0:
+        dst.mul_(coef)
+    return dst
 
 
 def update_piece(opt: HostOptimizer, master: torch.Tensor, grad: torch.Tensor, up: Optional[torch.Tensor],
                  scratch: torch.Tensor, coef: float, hyper: list) -> None:
     """One host piece's update: its gradient (as it came down) to fp32 in ``scratch``, scaled by ``coef`` (the
-    loss-scale, averaging and clipping factor), the optimizer step, the master cast into ``up`` for the upload."""
-    g = scratch[:grad.numel()]
-    g.copy_(grad)
-    g.mul_(coef)
-    master.grad = g.view_as(master)
-    opt.step([master], hyper)
-    master.grad = None
-    if up is not None:
-        up.copy_(master.data)
+    loss-scale, averaging and clipping factor), the optimizer step, the master cast into ``up`` for the upload (None:
+    the master goes up itself). ``scratch`` holds at least the piece's elements (the PIECE path stages all of them;
+    BLOCKS uses one block of it)."""
+    opt.update(master, grad, up, scratch, coef, hyper)
 
 
-def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: int = 1 << 24,
-            grad_dtypes: tuple = (torch.bfloat16, torch.bfloat16)) -> tuple:
+def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: Optional[int] = None,
+            grad_dtypes: tuple = (torch.bfloat16, torch.bfloat16), cache_dir: Optional[str] = None) -> tuple:
     """(HostSpec, host optimizer kind): this host's offload speeds, timed here: the host optimizer's update of
-    ``elems`` fp32 elements (a unit's piece) and pinned copies of a bf16 tensor of that size each way. ``kind``
-    "auto" tries torch's fused Adam and DeepSpeedCPUAdam, and keeps DeepSpeedCPUAdam only if ``PREFER_DEEPSPEED``
-    times faster: its update holds the GIL, which stalls the training thread's kernel launches while the forward
-    overlaps it. That choice is timed on an idle host; the speeds the planner prices a step with (the update, the
-    gradient sums and norms) are then timed as a step runs them: beside the training thread (``beside_training``)."""
+    ``elems`` fp32 elements (a unit's piece; by default ``update_elems()``, more than the last-level cache holds)
+    and pinned copies of a bf16 tensor of that size each way. ``kind`` "auto" tries torch's fused Adam and
+    DeepSpeedCPUAdam, and keeps DeepSpeedCPUAdam only if ``PREFER_DEEPSPEED`` times faster: its update holds the
+    GIL, which stalls the training thread's kernel launches while the forward overlaps it. The host's memory
+    bandwidth (``profiler.host_bandwidth``, cached in ``cache_dir``) is measured beside it, and the HostSpec's
+    ``source`` says how close to it the update comes for the bytes its path moves. That choice is timed on an idle
+    host; the speeds the planner prices a step with (the update, the gradient sums and norms) are then timed as a step
+    runs them: beside the training thread (``beside_training``), on the threads the host updater gives them."""
+    elems = elems or update_elems()
     kinds = ["torch", "deepspeed"] if kind == "auto" and adam_mode(basic) is not None else [kind if kind != "auto" else "torch"]
     best = None
     for k in kinds:
         try:
-            rate, name = _time_update(basic, k, device, elems)
+            rate, name, path, threads = _time_update(basic, k, device, elems, grad_dtypes[0])
         except Exception as e:  # noqa: BLE001 - an optimizer that cannot step on the CPU (a CUDA-only kernel)
             if kind != "auto":
                 raise LinsConfigError(f"lins.host_optimizer: {k!r} cannot update {type(basic).__name__} on this "
                                       f"host ({type(e).__name__}: {e})") from None
             continue
         if best is None or rate > best[0] * (PREFER_DEEPSPEED if k == "deepspeed" else 1.0):
-            best = (rate, name, k)
+            best = (rate, name, k, path, threads)
     if best is None:
         raise LinsConfigError(f"lins.offload: no host optimizer can update {type(basic).__name__} on this host "
                               "(torch's CPU Adam needs an Adam; another optimizer must step on CPU tensors)")
     h2d, d2h = _time_copies(device, elems)
-    with beside_training(device):
-        rate = _time_update(basic, best[2], device, elems)[0]
-        accumulate = _time_accumulate(device, elems, *grad_dtypes)
+    with intra_op_threads(best[4]):  # the threads the update and the gradient sums run on
+        bandwidth = host_bandwidth.obtain(cache_dir, comm.local_world_size())
+        with beside_training(device):
+            rate = _time_update(basic, best[2], device, elems, grad_dtypes[0])[0]
+            accumulate = _time_accumulate(device, elems, *grad_dtypes)
     source = (f"measured on {device.type} beside a training-like thread; the update alone {best[0] / 1e9:.2f} G "
-              "elements/s")
+              f"elements/s, {bandwidth_note(best[0], best[3], bandwidth, grad_dtypes[0].itemsize)}")
     return HostSpec(capacity_gb, rate, h2d, d2h, best[1], source, *accumulate), best[2]
 
 
@@ -216,15 +335,37 @@ def _stand_in_failed(failed: list, device: torch.device) -> None:
                            f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
 
 
-def _time_update(basic, kind: str, device: torch.device, elems: int) -> tuple:
+def update_elems() -> int:
+    """Elements ``measure`` updates: a piece whose bytes are ``LLC_MULTIPLE`` times the last-level cache (so the
+    update is timed against memory, as a whole unit's is), at least 16 M."""
+    llc = host_bandwidth.last_level_cache_bytes()
+    n = max(1 << 24, host_bandwidth.LLC_MULTIPLE * llc // bytes_per_element(BLOCKS))
+    return n // BLOCK_ALIGN * BLOCK_ALIGN
+
+
+def bandwidth_note(elems_per_s: float, path: str, bandwidth: "host_bandwidth.HostBandwidth", grad_bytes: int) -> str:
+    """The start-up summary's words on the host update against the host's memory bandwidth (for bf16 parameters)."""
+    per = bytes_per_element(path, grad_bytes)
+    share = achieved_fraction(elems_per_s, bandwidth.copy_gbs, path, grad_bytes)
+    return (f"update {elems_per_s * per / 1e9:.1f} GB/s for its {per} bytes per element ({path}), {100 * share:.0f} % "
+            f"of the host's {bandwidth.copy_gbs:.1f} GB/s copy bandwidth (triad {bandwidth.triad_gbs:.1f}; "
+            f"{bandwidth.threads} threads; {bandwidth.origin})")
+
+
+def _time_update(basic, kind: str, device: torch.device, elems: int, grad_dtype: torch.dtype) -> tuple:
+    """(elements per second, optimizer name, path, threads) of one piece's update with a gradient of ``grad_dtype``
+    (the G accumulator's, as the update reads it) and a bf16 copy up, scaled by ``TIMED_COEF``, on the intra-op
+    threads the host updater gives it (``HostOptimizer.threads``)."""
     p = torch.nn.Parameter(torch.zeros(elems, dtype=torch.float32))
     probe = copy.copy(basic)
     probe.param_groups = [{**{k: v for k, v in basic.param_groups[0].items() if k != "params"}, "params": []}]
     probe.state = collections.defaultdict(dict)
     opt = HostOptimizer(probe, [[p]], kind, device)
-    grad, up = host_empty(elems, torch.bfloat16, device).fill_(1e-3), host_empty(elems, torch.bfloat16, device)
+    grad, up = host_empty(elems, grad_dtype, device).fill_(1e-3), host_empty(elems, torch.bfloat16, device)
     scratch, hyper = torch.empty(elems, dtype=torch.float32), opt.hyperparameters()
-    return _per_second(lambda: update_piece(opt, p, grad, up, scratch, 1.0, hyper), elems), opt.name
+    with intra_op_threads(opt.threads):
+        rate = _per_second(lambda: update_piece(opt, p, grad, up, scratch, TIMED_COEF, hyper), elems)
+    return rate, opt.name, opt.path, opt.threads
 
 
 def _per_second(work, elems: int, reps: int = 3) -> float:

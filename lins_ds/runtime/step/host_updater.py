@@ -14,7 +14,7 @@ import torch
 
 from ... import comm
 from .host_grads import HostGrads
-from .host_memory import SWITCH_INTERVAL_S, PinnedHost
+from .host_memory import SWITCH_INTERVAL_S, PinnedHost, intra_op_threads
 from .host_optimizer import HostOptimizer, update_piece
 from .storage import Copied, Tier
 
@@ -225,7 +225,9 @@ class HostUpdater:
         t0 = time.perf_counter()
         spent = dict.fromkeys(("download", "update", "upload"), 0.0)  # the worker's time by what it waited on
         try:
-            with self._lane.worker(), torch.no_grad():
+            # on the optimizer's threads (host_memory.host_threads): a team one core short of this rank's cores, so
+            # that the training thread beside it never holds up a parallel region
+            with self._lane.worker(), torch.no_grad(), intra_op_threads(self.opt.threads):
                 t = time.perf_counter()
                 for slices, ticket, coef in units:
                     t, spent["download"] = time.perf_counter(), spent["download"] + time.perf_counter() - t
