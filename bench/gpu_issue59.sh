@@ -25,6 +25,7 @@ rm -rf /tmp/old && mkdir -p /tmp/old && tar xzf .baseline/old.tgz -C /tmp/old ||
 NEW=$PWD
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 echo "== host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+lscpu | grep -E "^Model name|^Socket|^NUMA|^L3" | tr -s ' ' 
 Q3=bench/models/hub-qwen2.5-3b.json L3=bench/models/llama-2.9b.json
 left() { echo $((LIMIT - SECONDS)); }
 want() {  # want <part> <seconds>: whether there is time for it
@@ -39,7 +40,7 @@ offload() {  # offload <tree> <model> <prefix> <parts...>
 }
 for part in ${PARTS:-bench q3 q3-old}; do
   case $part in
-  bench) want bench 100 && (timeout "$(left)" python3 bench/host_update_bench.py --old /tmp/old --new "$NEW" \
+  bench) want bench 100 && (export PYTHONPATH=/tmp/site; timeout "$(left)" python3 bench/host_update_bench.py --old /tmp/old --new "$NEW" \
       --elems "${ELEMS:-4e8}" --threads "${THREADS:-8,16}" --blocks "${BLOCKS:-2097152,8388608}" \
       --timeout 150 --out "$OUT/host_update.json") 2>&1 | grep -v real_accelerator | tee "$OUT/host_update.txt" ;;
   q3) want q3 300 && offload "$NEW" $Q3 q3 noclip noclip-ds noclip-fp ;;
