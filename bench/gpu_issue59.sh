@@ -12,7 +12,9 @@
 #  q3      Qwen2.5-3B widths (bench/models/hub-qwen2.5-3b.json), seq 4096, mb 2, gas 2, 8 steps, every layer
 #          checkpointed: Lins at 40 GiB with gradient_clipping 0 and 1, ZeRO-2 Offload with 1 and 0, Lins at
 #          ZeRO-2 Offload's own footprint (bench/gpu_offload.sh noclip noclip-ds noclip-fp). ~75 s a run.
-#  q3-old  main's tree, Lins at 40 GiB, clipping 1 then 0 (gpu_offload.sh noclip from /tmp/old).
+#  q3-old  main's tree, Lins at 40 GiB, clipping 0 then 1 (gpu_offload.sh noclip from /tmp/old).
+#  q3-z2   ZeRO-2 Offload alone (clipping 1, 0); q3-tiled: Lins at 40 GiB with the logits and loss in 8 tiles
+#          (lins.tiling: the memory the head frees keeps more units' optimizer state on the GPU).
 #  l3, l3-old   the same on the 2.9B LLaMA (bench/models/llama-2.9b.json).
 # Writes $OUT/host_update.{json,txt} and $OUT/<part>/issue26_*.tar.gz (gpu_offload.sh's archive of JSONs and logs).
 # Tables: python -m bench.host_exposed <dir> q3_lins_40_clip0 ... --baseline q3_zero2_offload_clip1 (see bench/README).
@@ -44,6 +46,8 @@ for part in ${PARTS:-bench q3 q3-old}; do
       --elems "${ELEMS:-4e8}" --threads "${THREADS:-8,16}" --blocks "${BLOCKS:-2097152,8388608}" \
       --timeout 150 --out "$OUT/host_update.json") 2>&1 | grep -v real_accelerator | tee "$OUT/host_update.txt" ;;
   q3) want q3 300 && offload "$NEW" $Q3 q3 noclip noclip-ds noclip-fp ;;
+  q3-z2) want q3-z2 90 && offload "$NEW" $Q3 q3 noclip-ds ;;  # ZeRO-2 Offload, clipping 1 and 0, on this machine
+  q3-tiled) want q3-tiled 150 && LINS_SET='lins.tiling={"logits": 8}' offload "$NEW" $Q3 q3tiled noclip ;;
   q3-old) want q3-old 140 && offload /tmp/old $Q3 q3old noclip ;;
   l3) want l3 300 && offload "$NEW" $L3 l3 noclip noclip-ds noclip-fp ;;
   l3-old) want l3-old 140 && offload /tmp/old $L3 l3old noclip ;;

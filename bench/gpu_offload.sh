@@ -35,6 +35,8 @@ run() {  # run <name> <timeout s> <bench.train args...>
 # family, e.g. M3=bench/models/hub-qwen2.5-3b.json P=q3
 M3=${M3:-bench/models/llama-2.9b.json}
 P=${P:-3b}
+# LINS_SET=KEY=JSON: one more --ds-set for the noclip parts' Lins runs, e.g. 'lins.tiling={"logits": 8}' (P names them)
+LS=(${LINS_SET:+--ds-set "$LINS_SET"})
 B3=(--model $M3 --seq-len 4096 --micro-batch-size 2 --grad-accum 2 --steps 8 --warmup-steps 3 --checkpointing
     ${BREAKDOWN:+--breakdown} ${HOLD:+--hold-outputs})
 L=(--lins-init per_module)
@@ -75,8 +77,9 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
       --ds-set lins.host_update_in_backward=false "${L[@]}" ;;
   noclip)  # issue 59: Lins at 40 GiB without clipping (updates inside the last backward) and with (after it)
     run ${P}_lins_40_clip0 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 \
-      --ds-set gradient_clipping=0 "${L[@]}"
-    run ${P}_lins_40_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}" ;;
+      --ds-set gradient_clipping=0 "${L[@]}" "${LS[@]}"
+    run ${P}_lins_40_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}" \
+      "${LS[@]}" ;;
   noclip-ds)  # ... and DeepSpeed ZeRO-2 Offload with the same two settings
     run ${P}_zero2_offload_clip1 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
     run ${P}_zero2_offload_clip0 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" \
@@ -87,7 +90,7 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
       "$OUT/${P}_zero2_offload_clip1.json")}
     echo "ZeRO-2 Offload footprint + reserve: $fp GiB" | tee -a "$OUT/log.txt"
     run ${P}_lins_fp_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb "$fp" \
-      --gpu-cap-gb "$(python3 -c "print($fp - 2)")" "${L[@]}" ;;
+      --gpu-cap-gb "$(python3 -c "print($fp - 2)")" "${L[@]}" "${LS[@]}" ;;
   3b-ratio)
     run 3b_zero3_ratio 240 --deepspeed_config ds_configs/zero3_offload_ratio.json "${B3[@]}" ;;
   g-smoke)  # the offloaded units' gradients accumulated on the host (CUDA copy stream, pinned buffers, its thread)
