@@ -46,6 +46,7 @@ for part in ${PARTS:-bench q3 q3-old}; do
       --elems "${ELEMS:-4e8}" --threads "${THREADS:-8,16}" --blocks "${BLOCKS:-2097152,8388608}" \
       --timeout 150 --out "$OUT/host_update.json") 2>&1 | grep -v real_accelerator | tee "$OUT/host_update.txt" ;;
   q3) want q3 300 && offload "$NEW" $Q3 q3 noclip noclip-ds noclip-fp ;;
+  q3-lins) want q3-lins 150 && offload "$NEW" $Q3 q3 noclip ;;  # Lins alone, clipping 0 and 1
   q3-z2) want q3-z2 90 && offload "$NEW" $Q3 q3 noclip-ds ;;  # ZeRO-2 Offload, clipping 1 and 0, on this machine
   q3-tiled) want q3-tiled 150 && LINS_SET='lins.tiling={"logits": 8}' offload "$NEW" $Q3 q3tiled noclip ;;
   q3-old) want q3-old 140 && offload /tmp/old $Q3 q3old noclip ;;
