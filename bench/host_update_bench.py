@@ -4,8 +4,8 @@ runtime runs them, on this host.
     python bench/host_update_bench.py --old /tmp/old --new /tmp/new [--elems 5e8] [--threads 4,8,16] \\
         [--out host_update.json]
 
-``--old`` and ``--new`` are two source trees (``git archive`` of main and of the branch; bench/gpu_host_update.sh makes
-them from .baseline/). Each tree runs in a process of its own (its ``lins_ds`` on the path), so each path is the
+``--old`` and ``--new`` are two source trees (bench/gpu_issue59.sh: main's from .baseline/old.tgz, ``git archive``,
+and its own). Each tree runs in a process of its own (its ``lins_ds`` on the path), so each path is the
 tree's own code, not a copy of it: ``runtime.step.host_optimizer.HostOptimizer`` and ``update_piece`` over the masters
 as ``HostUpdater`` holds them (fp32 pieces of the tree's ``HOST_PIECE`` elements, a gradient of ``--grad-dtype`` and a
 bf16 copy up, in ``host_empty`` memory: pinned on a GPU), on a worker thread, with a clip coefficient of 0.5 and
