@@ -91,6 +91,7 @@ def test_array_size_beats_the_cache_within_the_memory_share():
     llc = 300 << 20
     assert host_bandwidth.array_bytes_for(llc, 1e12) == 4 * llc
     assert host_bandwidth.array_bytes_for(1 << 20, 1e12) == host_bandwidth.MIN_ARRAY_BYTES
+    assert host_bandwidth.array_bytes_for(llc, 8e9, 8) == host_bandwidth.array_bytes_for(llc, 1e9)  # 8 ranks at once
     capped = host_bandwidth.array_bytes_for(llc, 8e9)  # 1 GB for three arrays: a third of it each
     assert capped == int(8e9 / 8 / 3) // 4096 * 4096
     assert host_bandwidth.last_level_cache_bytes() > 0
@@ -177,6 +178,41 @@ def test_the_update_gives_the_staged_updates_bits(make, path, param_dtype):
     assert not torch.equal(m_new, torch.randn(n, generator=torch.Generator().manual_seed(1)))  # it moved
 
 
+def _adamw_one_group_l2(ps, **k):
+    return torch.optim.AdamW([{"params": [ps[0]]}, {"params": [ps[1]], "decoupled_weight_decay": False}],
+                             lr=1e-2, weight_decay=0.3, **k)
+
+
+def _adam_two_groups(ps, **k):
+    return torch.optim.Adam([{"params": [ps[0]], "lr": 1e-2, "weight_decay": 0.1, "betas": (0.8, 0.9)},
+                             {"params": [ps[1]], "lr": torch.tensor(3e-3), "amsgrad": True, "maximize": True}],
+                            decoupled_weight_decay=True, **k)
+
+
+@pytest.mark.parametrize("make", [_adamw_one_group_l2, _adam_two_groups], ids=["adamw-group-l2", "adam-groups"])
+def test_each_groups_hyperparameters_are_the_whole_tensor_optimizers(make):
+    """Against the user's optimizer class, fused, stepping each whole tensor: a group's own weight-decay mode (torch's
+    Adam.step reads ``decoupled_weight_decay`` per group), LR as a tensor, amsgrad and maximize in one group only."""
+    n, gen = 3 * 2048 + 333, torch.Generator().manual_seed(0)
+    init = [torch.randn(n, generator=gen) for _ in range(2)]
+    ref_params = [torch.nn.Parameter(x.clone()) for x in init]
+    ref = make(ref_params, fused=True)
+    masters = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = HostOptimizer(make([torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]), [[m] for m in masters],
+                        "torch", torch.device("cpu"))
+    assert opt.path == BLOCKS
+    opt.block, scratch = 2048, torch.empty(n)
+    for _ in range(3):
+        grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(2)]
+        for p, g in zip(ref_params, grads):
+            p.grad = g.float()
+        ref.step()
+        for m, g in zip(masters, grads):
+            update_piece(opt, m, g, None, scratch, 1.0, opt.hyperparameters())
+    for want, got in zip(ref_params, masters):
+        assert torch.equal(bits(want), bits(got)), int((want != got).sum())
+
+
 def test_a_step_count_saved_as_an_int_is_taken_as_torch_keeps_it():
     """A checkpoint of DeepSpeedCPUAdam's kind holds Python int steps: the blocked update counts on from them."""
     n = 4096
@@ -202,6 +238,16 @@ def test_host_threads_leave_the_training_thread_its_core(monkeypatch):
     assert host_memory.host_threads(1, cores=2) == 1  # a 2-core slice: the worker alone beside the training thread
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # OMP_NUM_THREADS=4: never more than the user allows
     assert host_memory.host_threads(1, cores=16) == 4
+
+
+def test_a_process_bound_to_its_cores_holds_its_share_already(monkeypatch):
+    """Under --bind_cores_to_rank (numactl, srun --cpu-bind) the affinity is the rank's share: not divided again."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    monkeypatch.setattr(host_memory, "usable_cores", lambda: 16)
+    monkeypatch.setattr(host_memory, "bound", lambda: True)
+    assert host_memory.host_threads(8) == 15
+    monkeypatch.setattr(host_memory, "bound", lambda: False)  # 16 cores seen by all 8 ranks: 2 each
+    assert host_memory.host_threads(8) == 1
 
 
 def test_usable_cores_heed_a_cgroup_quota(tmp_path):

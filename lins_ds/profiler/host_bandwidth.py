@@ -91,11 +91,12 @@ def last_level_cache_bytes(cpus: Optional[set] = None) -> int:
     return sum(size for (level, _), size in found.items() if level == top)
 
 
-def array_bytes_for(llc_bytes: int, available_bytes: float) -> int:
+def array_bytes_for(llc_bytes: int, available_bytes: float, ranks_per_node: int = 1) -> int:
     """Bytes per probe array: ``LLC_MULTIPLE`` times the last-level cache (at least ``MIN_ARRAY_BYTES``), within
-    ``MEMORY_SHARE`` of the available memory for the three arrays; a multiple of 4 KiB."""
+    ``MEMORY_SHARE`` of the available memory for the three arrays of each of the node's ``ranks_per_node`` ranks
+    (they probe at once); a multiple of 4 KiB."""
     want = max(MIN_ARRAY_BYTES, LLC_MULTIPLE * llc_bytes)
-    cap = int(available_bytes * MEMORY_SHARE / 3)
+    cap = int(available_bytes * MEMORY_SHARE / 3 / max(1, ranks_per_node))
     return max(1 << 12, min(want, cap)) // 4096 * 4096
 
 
@@ -180,7 +181,8 @@ def obtain(directory: Optional[str] = None, ranks_per_node: int = 1, array_bytes
     if found is not None:
         return found
     size = array_bytes if array_bytes is not None else array_bytes_for(key["llc_bytes"],
-                                                                       psutil.virtual_memory().available)
+                                                                       psutil.virtual_memory().available,
+                                                                       ranks_per_node)
     found = measure(size, reps)
     failed = write_json_atomically(path, {"key": key, "bandwidth": found.to_json()})
     return replace(found, origin=f"measured: {why}" + ("" if failed is None else f"; not cached ({failed})"))

@@ -201,7 +201,7 @@ class HostProbe:
             return HostSpec(capacity, source="assumed: a CPU device", kind=kind)
         try:
             found, error = host_optimizer.measure(self.basic, cfg.host_optimizer, device, capacity,
-                                                  grad_dtypes=self.grad_dtypes), None
+                                                  grad_dtypes=self.grad_dtypes, cache_dir=cfg.profile_cache), None
         except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
             found, error = None, str(e) if isinstance(e, LinsConfigError) else f"lins.offload: {type(e).__name__}: {e}"
         error = comm.agree(error)

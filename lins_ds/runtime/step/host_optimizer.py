@@ -210,10 +210,13 @@ class HostOptimizer:
         memory again between the passes."""
         group = self._group_of[master]
         state = self._fused_state(master, group)
-        decoupled = isinstance(self.opt, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+        # a group's own mode first, as torch's Adam.step reads it (AdamW's groups carry True unless set otherwise)
+        decoupled = group.get("decoupled_weight_decay", isinstance(self.opt, torch.optim.AdamW))
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         beta1, beta2 = group["betas"]
-        hyper = dict(amsgrad=group["amsgrad"], lr=group["lr"], beta1=_scalar(beta1), beta2=_scalar(beta2),
+        lr = group["lr"]  # a tensor LR on another device goes where the kernel runs, as torch's _fused_adam moves it
+        lr = lr.to("cpu") if torch.is_tensor(lr) and lr.device.type != "cpu" else lr
+        hyper = dict(amsgrad=group["amsgrad"], lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2),
                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
         p, g_in = master.detach().view(-1), grad.reshape(-1)
         m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
