@@ -14,8 +14,8 @@ from lins_ds.plan.host_update import (BLOCKS, PIECE, STAGED, achieved_fraction, 
                                       floor_seconds, passes)
 from lins_ds.profiler import host_bandwidth
 from lins_ds.runtime.step import host_memory, host_optimizer
-from lins_ds.runtime.step.host_optimizer import (BLOCK_ALIGN, BLOCK_CACHE_BYTES, MIN_BLOCK, HostOptimizer,
-                                                 block_elems, update_piece)
+from lins_ds.runtime.step.host_optimizer import (BLOCK_ALIGN, BLOCK_CACHE_BYTES, MIN_BLOCK, PER_THREAD_BLOCK,
+                                                 HostOptimizer, block_elems, update_piece)
 from lins_ds.runtime.step.host_memory import HOST_PIECE
 
 
@@ -113,11 +113,14 @@ def test_measure_says_how_close_the_update_comes_to_the_bandwidth(tmp_path, monk
 # --- the blocked update: fewer bytes, the same bits -----------------------------------------------------------------
 def test_blocks_fit_the_cache_share_and_keep_the_kernels_alignment():
     llc = 300 << 20
-    assert block_elems(llc) == llc // BLOCK_CACHE_BYTES // BLOCK_ALIGN * BLOCK_ALIGN  # 4.9 M elements
+    assert block_elems(llc) == llc // BLOCK_CACHE_BYTES // BLOCK_ALIGN * BLOCK_ALIGN  # 2.5 M elements
     assert block_elems(llc, sharers=2) == llc // (2 * BLOCK_CACHE_BYTES) // BLOCK_ALIGN * BLOCK_ALIGN
     assert block_elems(llc, sharers=8) == MIN_BLOCK  # eight ranks' updates share it: the fewest calls win
     assert block_elems(1 << 20) == MIN_BLOCK and block_elems(1 << 40) == HOST_PIECE
     assert all(block_elems(c) % BLOCK_ALIGN == 0 for c in (1 << 20, 105 << 20, 3 << 30))
+    # each of 15 threads gets at least PER_THREAD_BLOCK of a block: 7.9 M, not the 1 M a 105 MiB cache gives
+    assert block_elems(105 << 20) == MIN_BLOCK and block_elems(105 << 20, threads=15) == 15 * PER_THREAD_BLOCK
+    assert block_elems(llc, threads=2) == block_elems(llc)  # the cache's share is larger: it decides
 
 
 def staged_update(opt, master, grad, up, scratch, coef, hyper):

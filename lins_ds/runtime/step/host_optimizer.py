@@ -5,7 +5,9 @@ The update is memory-bound (``lins_ds.plan.host_update`` counts its bytes per el
 few bytes as the numerics allow: torch's fused Adam/AdamW kernel is element-wise, so a piece is updated in blocks
 that stay in the last-level cache (``block_elems``) — the gradient made fp32 and scaled, the kernel on the block's
 views, the master cast for the upload — and nothing but the state and the two copies crosses memory (28 bytes per
-bf16 element, where four passes over the whole piece moved 48). The results are the same bits."""
+bf16 element, where four passes over the whole piece moved 48). The results are the same bits. Each pass over a block
+is a parallel region, so on many threads a block is larger than the cache's share (``PER_THREAD_BLOCK``): there the
+fork and join cost more than the bytes a block that spills moves again."""
 
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ BLOCK_CACHE_BYTES = 128
 # At least this many elements per block: at most 32 blocks, 128 calls, per HOST_PIECE. Each call is a parallel region
 # (~15 us on 16 threads, more where the threads outnumber the free cores) and a GIL hand-over.
 MIN_BLOCK = 1 << 20
+# At least this many elements of a block per intra-op thread: each pass over a block is one parallel region, and a
+# thread's share must outweigh its fork and join. On a 16-core GPU host (105 MiB L3) the update on 15 threads ran
+# 3.20 G elements/s in blocks of 8 M elements against 2.60 in the 1 M its cache share gave (70 k per thread), alone
+# (bench/results/offload/blocks_h100/second_call/host_update.txt); on one thread 1-2 M had run best.
+PER_THREAD_BLOCK = 1 << 19
 # ``measure`` times an update that scales: the coefficient (1 / ranks, times the clip factor) is rarely exactly 1, the
 # one value whose pass is skipped
 TIMED_COEF = 0.5
@@ -46,11 +53,11 @@ TIMED_COEF = 0.5
 TIMED_S = 0.5
 
 
-def block_elems(llc_bytes: int, sharers: int = 1) -> int:
+def block_elems(llc_bytes: int, sharers: int = 1, threads: int = 1) -> int:
     """Elements per block of a piece's update: what fits the share of the last-level cache (``llc_bytes``) one of
-    the ``sharers`` ranks updating at once may use, from ``MIN_BLOCK`` to ``HOST_PIECE``, a multiple of
-    ``BLOCK_ALIGN``."""
-    n = llc_bytes // (BLOCK_CACHE_BYTES * max(1, sharers))
+    the ``sharers`` ranks updating at once may use, and at least ``PER_THREAD_BLOCK`` for each of the ``threads``
+    each of its passes splits it among; from ``MIN_BLOCK`` to ``HOST_PIECE``, a multiple of ``BLOCK_ALIGN``."""
+    n = max(llc_bytes // (BLOCK_CACHE_BYTES * max(1, sharers)), PER_THREAD_BLOCK * max(1, threads))
     return max(MIN_BLOCK, min(HOST_PIECE, n)) // BLOCK_ALIGN * BLOCK_ALIGN
 
 
@@ -138,8 +145,8 @@ class HostOptimizer:
         self.opt.state = basic.state  # one state dict: checkpoints and load_checkpoint see every slice
         self._int_step = ds_cls is not None
         self.path = BLOCKS if ds_cls is None and mode is not None and _fused_kernels() else PIECE
-        self.block = block_elems(host_bandwidth.last_level_cache_bytes(), comm.local_world_size())
         self.threads = host_threads(comm.local_world_size())
+        self.block = block_elems(host_bandwidth.last_level_cache_bytes(), comm.local_world_size(), self.threads)
         self._group_of = {p: g for g in self.opt.param_groups for p in g["params"]}
 
     def hyperparameters(self) -> list:
