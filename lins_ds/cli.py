@@ -129,14 +129,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tilings = sequence.rungs(_tiling_choice(args.tiling), model.arch == "llama",
                              _activation_offload_choice(args.activation_offload))
 
+    def solve_at(t, mlp, logits, act):  # one tiling rung, the offload ladder walked
+        def solve(spec):
+            spec = sequence.with_host(spec, act, lambda: host)
+            return P.solve(model, topo, sequence.tiled(t, mlp, logits, act), mem, table, compute,
+                           objective=args.objective, offload=spec), True
+        return walk(rungs, solve, (P.NoFeasiblePlan,))
+
     def plan_at(t):  # the engine's policies: "auto" offloads, then tiles, then offloads activations, each only where
-        def tiled(mlp, logits, act):  # nothing fits without it
-            def solve(spec):
-                spec = sequence.with_host(spec, act, lambda: host)
-                return P.solve(model, topo, sequence.tiled(t, mlp, logits, act), mem, table, compute,
-                               objective=args.objective, offload=spec), True
-            return walk(rungs, solve, (P.NoFeasiblePlan,))
-        return sequence.walk(tilings, tiled, (P.NoFeasiblePlan,))
+        return sequence.walk(tilings, lambda *rung: solve_at(t, *rung), (P.NoFeasiblePlan,))  # nothing fits without
 
     longest = _longest(plan_at, model, train, P, tilings[-1]) if args.longest else None
     try:
@@ -155,10 +156,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       gpus_per_node=topo.gpus_per_node, gpu_memory_gb=capacity, seq_len=train.seq_len,
                       micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum, dtype=train.param_dtype,
                       gradient_clipping=args.gradient_clipping)
+    head = sequence.head_tiling(_tiling_choice(args.tiling), model.arch == "llama", sol.plan, sol.best,
+                                lambda: solve_at(train, *sequence.HEAD_TILES, False).best, (P.NoFeasiblePlan,))
     if args.format == "json":
-        print(json.dumps({**report.to_json(sol), **({"longest": longest.to_json()} if longest else {})}, indent=1))
+        print(json.dumps({**report.to_json(sol), **({"longest": longest.to_json()} if longest else {}),
+                          **({"head_tiling": head.strip()} if head else {})}, indent=1))
     else:
-        print(report.to_table(sol) + (f"\n{longest.describe()}" if longest else ""))
+        print(report.to_table(sol) + head + (f"\n{longest.describe()}" if longest else ""))
     return 0
 
 

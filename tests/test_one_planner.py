@@ -102,3 +102,51 @@ def test_the_cases_reach_every_rung(files, capsys):
         out = cli_plan(files, capsys, gb, offload)
         rungs[case] = (out["offload_units"] > 0, out["offload_params"])
     assert list(rungs.values()) == [(False, False), (True, False), (True, True)], rungs
+
+
+def engine_summary(profile, lins, vocab):
+    """What the engine's start-up said (rank 0), on the tiny LLaMA with ``vocab``, given the CLI's host."""
+    import deepspeed
+    import torch
+    from helpers import config, param_groups, tiny_llama
+
+    from lins_ds.runtime.switch import planner
+
+    said = []
+    planner.announce = said.append
+    from lins_ds.plan.offload import HostSpec
+    from lins_ds.runtime.startup import planning
+
+    def given_host(self):
+        self.kind = "torch"
+        return HostSpec(HOST["host_memory_gb"] / GPUS, HOST["update"] * 1e9, HOST["copy"], HOST["copy"],
+                        source="given (test)")
+
+    planning.HostProbe._describe = given_host
+    model = tiny_llama(vocab=vocab, layers=4)
+    block = {"profile": profile, "seq_len": 64, "memory_profile": "formula", "host_memory_gb": HOST["host_memory_gb"],
+             "tune": {"cache": False}, **lins}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                      config=config(block))
+    engine.destroy()
+    return "\n".join(said)
+
+
+def test_the_head_tiling_a_plan_could_use_is_said_alike(files, capsys):
+    """Where the logits in 8 tiles would keep optimizer state on the GPU, the engine's start-up and lins-ds plan say
+    so in the same words (lins.tiling "auto"); never where the user set lins.tiling, and the plan stays untiled."""
+    from helpers import run, tiny_llama
+
+    tiny_llama(vocab=4096, layers=4).config.to_json_file(files / "config_4096.json")
+    args = ["plan", "--model", str(files / "config_4096.json"), "--nodes", "1", "--gpus-per-node", str(GPUS),
+            "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum", "2", "--dtype", "fp32", "--gpu-memory-gb",
+            "0.008", "--profile", str(files / "profile.json"), "--format", "json", *HOST_ARGS]
+    assert main(args) == 0, capsys.readouterr().err
+    cli = json.loads(capsys.readouterr().out)
+    assert cli["offload_units"] == 5 and "8 tiles" in cli["head_tiling"], cli.get("head_tiling")
+    lins = {"plan": "solve", "offload": "auto", "gpu_memory_gb": 0.008}
+    said = run(engine_summary, GPUS, str(files / "profile.json"), lins, 4096, gpus_per_node=GPUS)[0]
+    assert cli["head_tiling"] in said and "sequence tiling" not in said
+    said = run(engine_summary, GPUS, str(files / "profile.json"), {**lins, "tiling": False}, 4096,
+               gpus_per_node=GPUS)[0]
+    assert "8 tiles" not in said

@@ -88,3 +88,36 @@ def test_auto_offers_the_ladder_only_to_a_model_it_can_tile():
     assert sequence.rungs("auto", True) == [(*t, False) for t in sequence.LADDER] and sequence.LADDER[0] == (1, 1)
     assert sequence.rungs("auto", False) == [(1, 1, False)] == sequence.rungs(False, True)
     assert sequence.rungs((2, 4), True) == [(2, 4, False)]
+
+
+def test_the_head_tiling_note_only_where_it_saves_host_units_and_time():
+    from types import SimpleNamespace as NS
+
+    from lins_ds.plan import sequence
+    from lins_ds.plan.offload import Placement
+
+    note = sequence.head_tiling_note(1.2997, 23, 0.9988, 14)
+    assert "14 units' optimizer state would be on the host instead of 23" in note
+    assert "998.8 ms instead of 1299.7" in note
+    assert sequence.head_tiling_note(1.3, 23, 1.4, 14) == ""  # slower (the tiles' recompute outweighs the host)
+    assert sequence.head_tiling_note(1.3, 23, 1.2, 23) == "" and sequence.head_tiling_note(1.3, 23, None, 0) == ""
+    plan = NS(mlp_tiles=1, logits_tiles=1, activation_offload_units=0)
+    best = NS(objective_s=1.3, placement=Placement.of(23))
+    other = NS(objective_s=1.0, placement=Placement.of(14))
+
+    def never():
+        raise AssertionError("priced where it should not be")
+
+    assert "8 tiles" in sequence.head_tiling("auto", True, plan, best, lambda: other, (ValueError,))
+    # the user's setting, either way; a model that cannot be tiled
+    for choice, supported in (((1, 1), True), (False, True), ("auto", False)):
+        assert sequence.head_tiling(choice, supported, plan, best, never, (ValueError,)) == ""
+    resident = NS(objective_s=1.3, placement=Placement.of(0))
+    assert sequence.head_tiling("auto", True, plan, resident, never, (ValueError,)) == ""
+    assert sequence.head_tiling("auto", True, NS(mlp_tiles=1, logits_tiles=8, activation_offload_units=0), best, never,
+                                (ValueError,)) == ""
+
+    def no_fit():
+        raise ValueError("no tiled plan fits")
+
+    assert sequence.head_tiling("auto", True, plan, best, no_fit, (ValueError,)) == ""

@@ -25,7 +25,7 @@ off.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Optional
 
 from .model import ModelSpec
 from .offload import walk as offload_walk
@@ -62,6 +62,41 @@ def walk(tilings: list, attempt: Callable, errors: tuple):
     """``attempt(mlp_tiles, logits_tiles, activation_offload)`` for each rung in order until one returns without one of
     ``errors``; the last rung's error where none does (``plan.offload.walk``, the one ladder driver)."""
     return offload_walk([lambda t=t: t for t in tilings], lambda t: (attempt(*t), True), errors)
+
+
+# The tiling a plan that keeps optimizer state on the host is compared with (``head_tiling_note``): the logits and
+# loss in 8 tiles. A large vocabulary's logits (and their gradient) take memory that units' optimizer state could
+# use: on Qwen2.5-3B widths at 40 GiB, 21-23 units' state stayed on the GPU instead of 9, and the step fell 18-26 %
+# (bench/results/offload/blocks_h100/). The tiled loss returns empty logits, so this is said, never chosen.
+HEAD_TILES = LADDER[1]
+
+
+def head_tiling(choice, supported: bool, plan, best, solve_tiled: Callable, errors: tuple) -> str:
+    """``head_tiling_note`` for ``plan`` (its solver's ``best`` Evaluation), where lins.tiling (``choice``) was left
+    "auto" (a user's setting is theirs), the model can be tiled (``supported``), and the plan keeps optimizer state on
+    the host on the untiled rung without activation offload: ``solve_tiled()`` (the same offload ladder at
+    ``HEAD_TILES``, no activation offload) gives the Evaluation to compare, or raises one of ``errors``. The
+    engine's start-up and ``lins-ds plan`` both call this."""
+    untiled = plan.mlp_tiles == 1 and plan.logits_tiles == 1 and not plan.activation_offload_units
+    if not (choice == "auto" and supported and untiled and best.placement.offloads("os")):
+        return ""
+    try:
+        other = solve_tiled()
+    except errors:
+        return ""
+    return head_tiling_note(best.objective_s, best.placement.n_units, other.objective_s,
+                            other.placement.n_units if other.placement.offloads("os") else 0)
+
+
+def head_tiling_note(step_s: float, host_units: int, tiled_step_s: Optional[float], tiled_host_units: int) -> str:
+    """The summary's line where the logits in ``HEAD_TILES`` tiles would keep units' optimizer state on the GPU and
+    shorten the predicted step (``tiled_step_s`` None: no tiled plan fits); '' otherwise."""
+    if tiled_step_s is None or tiled_step_s >= step_s or tiled_host_units >= host_units:
+        return ""
+    return (f"\n  offload: with the logits and loss in {HEAD_TILES[1]} tiles (lins.tiling: {{\"logits\": "
+            f"{HEAD_TILES[1]}}}), {tiled_host_units} units' optimizer state would be on the host instead of "
+            f"{host_units}, and a step predicted {tiled_step_s * 1e3:.1f} ms instead of {step_s * 1e3:.1f}; a training "
+            "forward with labels then returns the loss and empty logits, so it is not chosen for you")
 
 
 def with_host(spec, activation_offload, host: Callable):

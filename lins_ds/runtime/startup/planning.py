@@ -419,7 +419,13 @@ def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
             return (plan, summary + _tiling_note(plan, cfg), context), fits
         return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
 
-    return sequence.walk(tiling_rungs(cfg, facts.module), tiled, (NoPlanFits,))
+    plan, summary, context = sequence.walk(tiling_rungs(cfg, facts.module), tiled, (NoPlanFits,))
+    if cfg.solve and context is not None and context.solution is not None:
+        summary += sequence.head_tiling(cfg.tiling, not tiling.unsupported(facts.module), plan,
+                                        context.solution.best,
+                                        lambda: tiled(*sequence.HEAD_TILES, False)[2].solution.best,
+                                        (NoPlanFits, LinsConfigError))
+    return plan, summary, context
 
 
 def start_plan(facts: LaunchFacts, cfg: LinsConfig) -> tuple:
