@@ -420,12 +420,26 @@ def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
         return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
 
     plan, summary, context = sequence.walk(tiling_rungs(cfg, facts.module), tiled, (NoPlanFits,))
-    if cfg.solve and context is not None and context.solution is not None:
-        summary += sequence.head_tiling(cfg.tiling, not tiling.unsupported(facts.module), plan,
-                                        context.solution.best,
-                                        lambda: tiled(*sequence.HEAD_TILES, False)[2].solution.best,
-                                        (NoPlanFits, LinsConfigError))
-    return plan, summary, context
+    return plan, summary + head_tiling_note(facts, cfg, plan, context, host), context
+
+
+def head_tiling_note(facts: LaunchFacts, cfg: LinsConfig, plan: Plan, context: Optional[SolveContext],
+                     host: "HostProbe") -> str:
+    """``sequence.head_tiling`` for a solved plan, priced from its ``context`` (its timing table, activation profile
+    and the host already measured): nothing is measured again and no collective runs, so ranks whose budgets differ
+    never wait on each other here."""
+    if not cfg.solve or context is None or context.solution is None:
+        return ""
+    train = sequence.tiled(context.train, *sequence.HEAD_TILES)
+
+    def tiled_best():
+        def attempt(spec: OffloadSpec) -> tuple:
+            ctx = dataclasses.replace(context, offload=spec, train=train, solution=None)
+            return solved(ctx, cfg.seq_len is None)[2].solution.best, True
+        return walk(offload_rungs(cfg, host), attempt, (NoPlanFits,))
+
+    return sequence.head_tiling(cfg.tiling, not tiling.unsupported(facts.module), plan, context.solution.best,
+                                tiled_best, (NoPlanFits, LinsConfigError))
 
 
 def start_plan(facts: LaunchFacts, cfg: LinsConfig) -> tuple:
@@ -496,7 +510,8 @@ def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, 
                 cfg.solve or out[0].memory_gb <= context.mem.capacity_gb
         return walk(rungs_from(offload_rungs(cfg, host), context.offload), attempt, (NoPlanFits,))
 
-    return sequence.walk(tiling_rungs(cfg, facts.module), tiled, (NoPlanFits,))
+    plan, summary, context = sequence.walk(tiling_rungs(cfg, facts.module), tiled, (NoPlanFits,))
+    return plan, summary + head_tiling_note(facts, cfg, plan, context, host), context
 
 
 def _fixed_offload(tiles: tuple, ckpt_units: int) -> int:
