@@ -243,14 +243,16 @@ def test_host_threads_leave_the_training_thread_its_core(monkeypatch):
     assert host_memory.host_threads(1, cores=16) == 4
 
 
-def test_a_process_bound_to_its_cores_holds_its_share_already(monkeypatch):
-    """Under --bind_cores_to_rank (numactl, srun --cpu-bind) the affinity is the rank's share: not divided again."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+def test_a_launchers_threads_per_rank_are_its_share(monkeypatch):
+    """DeepSpeed's --bind_cores_to_rank binds each rank to its cores and sets OMP_NUM_THREADS to their count: that is
+    the rank's share, not to be divided by the node's ranks again (8 ranks x 16 cores ran the update on 1 thread).
+    A process that sees only a cpuset of the host (a container) without it still shares its cores among the ranks."""
     monkeypatch.setattr(host_memory, "usable_cores", lambda: 16)
-    monkeypatch.setattr(host_memory, "bound", lambda: True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "16")
     assert host_memory.host_threads(8) == 15
-    monkeypatch.setattr(host_memory, "bound", lambda: False)  # 16 cores seen by all 8 ranks: 2 each
-    assert host_memory.host_threads(8) == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert host_memory.host_threads(8) == 1  # 16 cores seen by all 8 ranks: 2 each, one for the training thread
 
 
 def test_usable_cores_heed_a_cgroup_quota(tmp_path):

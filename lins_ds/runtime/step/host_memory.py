@@ -38,8 +38,8 @@ def usable_cores(cpu_max: str = CPU_MAX) -> int:
 
 def host_threads(ranks_per_node: int = 1, cores: int = 0) -> int:
     """Intra-op threads for a host thread's passes (the host update's, the gradient sums'): this rank's share of the
-    usable cores (``usable_cores``, shared by the node's ``ranks_per_node`` ranks unless this process is bound to
-    its own, ``bound``) less the core its training thread
+    usable cores (``usable_cores``, shared by the node's ``ranks_per_node`` ranks; where ``OMP_NUM_THREADS`` is set,
+    as DeepSpeed's ``--bind_cores_to_rank`` sets it to each rank's cores, torch's count is that share) less the core its training thread
     keeps busy launching the device's work, at most torch's own setting (OMP_NUM_THREADS, torch.set_num_threads,
     a launcher's choice), at least 1.
 
@@ -50,17 +50,11 @@ def host_threads(ranks_per_node: int = 1, cores: int = 0) -> int:
     slower than the staged update; with the team one core short of the cores, no region waits for a time slice."""
     if cores:  # the node's usable cores, given
         share = cores // max(1, ranks_per_node)
-    else:  # a process bound to its cores holds its rank's share already
-        share = usable_cores() if bound() else usable_cores() // max(1, ranks_per_node)
+    elif os.environ.get("OMP_NUM_THREADS"):  # a launcher's (or the user's) threads per rank: its share already
+        share = torch.get_num_threads()
+    else:
+        share = usable_cores() // max(1, ranks_per_node)
     return max(1, min(torch.get_num_threads(), share - TRAINING_THREAD_CORES))
-
-
-def bound() -> bool:
-    """Whether this process is bound to fewer cores than the node has (DeepSpeed's ``--bind_cores_to_rank``,
-    ``numactl``, ``srun --cpu-bind``): its affinity is then already its rank's share, not to be divided again."""
-    if not hasattr(os, "sched_getaffinity"):
-        return False
-    return len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
 
 
 @functools.lru_cache(maxsize=None)
