@@ -102,8 +102,8 @@ def test_the_head_tiling_note_only_where_it_saves_host_units_and_time():
     assert sequence.head_tiling_note(1.3, 23, 1.4, 14) == ""  # slower (the tiles' recompute outweighs the host)
     assert sequence.head_tiling_note(1.3, 23, 1.2, 23) == "" and sequence.head_tiling_note(1.3, 23, None, 0) == ""
     plan = NS(mlp_tiles=1, logits_tiles=1, activation_offload_units=0)
-    best = NS(objective_s=1.3, placement=Placement.of(23))
-    other = NS(objective_s=1.0, placement=Placement.of(14))
+    best = NS(objective="step", objective_s=1.3, placement=Placement.of(23))
+    other = NS(objective="step", objective_s=1.0, placement=Placement.of(14))
 
     def never():
         raise AssertionError("priced where it should not be")
@@ -112,7 +112,7 @@ def test_the_head_tiling_note_only_where_it_saves_host_units_and_time():
     # the user's setting, either way; a model that cannot be tiled
     for choice, supported in (((1, 1), True), (False, True), ("auto", False)):
         assert sequence.head_tiling(choice, supported, plan, best, never, (ValueError,)) == ""
-    resident = NS(objective_s=1.3, placement=Placement.of(0))
+    resident = NS(objective="step", objective_s=1.3, placement=Placement.of(0))
     assert sequence.head_tiling("auto", True, plan, resident, never, (ValueError,)) == ""
     assert sequence.head_tiling("auto", True, NS(mlp_tiles=1, logits_tiles=8, activation_offload_units=0), best, never,
                                 (ValueError,)) == ""

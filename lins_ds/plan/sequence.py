@@ -78,7 +78,7 @@ def head_tiling(choice, supported: bool, plan, best, solve_tiled: Callable, erro
     ``HEAD_TILES``, no activation offload) gives the Evaluation to compare, or raises one of ``errors``. The
     engine's start-up and ``lins-ds plan`` both call this."""
     untiled = plan.mlp_tiles == 1 and plan.logits_tiles == 1 and not plan.activation_offload_units
-    step = getattr(best, "objective", "step") == "step"  # objective "comm" prices no step to compare
+    step = best.objective == "step"  # objective "comm" prices no step to compare
     if not (choice == "auto" and supported and untiled and step and best.placement.offloads("os")):
         return ""
     try:

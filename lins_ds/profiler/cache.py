@@ -39,9 +39,10 @@ def launch_key(topo: Topology, device: torch.device) -> dict:
             "lins_ds": __version__}
 
 
-def cache_path(key: dict, directory: Optional[str] = None) -> str:
+def cache_path(key: dict, directory: Optional[str] = None, prefix: str = "profile") -> str:
+    """``<directory>/<prefix>-<digest of key>.json`` (the profiles' directory by default)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(directory or default_dir(), f"profile-{digest}.json")
+    return os.path.join(directory or default_dir(), f"{prefix}-{digest}.json")
 
 
 def covers(table: ProfileTable, meshes, max_bytes: int) -> Optional[str]:

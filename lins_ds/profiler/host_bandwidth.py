@@ -13,7 +13,6 @@ version, torch and lins_ds) is this launch's; any other file is measured anew, n
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import math
 import os
@@ -24,7 +23,8 @@ from typing import Optional
 import torch
 
 from ..version import __version__
-from .cache import default_dir, write_json_atomically
+from . import cache
+from .cache import write_json_atomically
 
 PROBE_VERSION = 1  # what the probe measures and how: a change makes every older cached figure another key's
 LLC_MULTIPLE = 4  # each array this many times the last-level cache, so the cache holds a negligible part of it
@@ -65,11 +65,16 @@ def _size_bytes(text: str) -> int:
     return int(text.rstrip("KMG")) * scale
 
 
+def _affinity() -> set:
+    """The CPUs this process may run on (every CPU where the platform cannot say)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def last_level_cache_bytes(cpus: Optional[set] = None) -> int:
     """The last-level cache the CPUs this process may run on (``cpus``, by default its affinity) can fill: the
     highest level's instances they reach, each counted once (several sockets, or an AMD part's one L3 per CCD, add
     up). ``ASSUMED_LLC_BYTES`` where sysfs does not describe the caches."""
-    cpus = cpus if cpus is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set())
+    cpus = cpus if cpus is not None else _affinity()
     found: dict = {}  # (level, the CPUs sharing it) -> bytes
     for cpu in sorted(cpus):
         for index in glob.glob(f"/sys/devices/system/cpu/cpu{cpu}/cache/index*"):
@@ -141,7 +146,7 @@ def host_key(ranks_per_node: int = 1, array_bytes: Optional[int] = None) -> dict
     is given (else "auto": ``array_bytes_for``), and the code."""
     import psutil
 
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cpus = _affinity()
     return {"cpu": _cpu_model(), "cpus": os.cpu_count(), "usable_cpus": len(cpus),
             "llc_bytes": last_level_cache_bytes(cpus), "memory_bytes": psutil.virtual_memory().total,
             "threads": torch.get_num_threads(), "ranks_per_node": int(ranks_per_node),
@@ -150,8 +155,7 @@ def host_key(ranks_per_node: int = 1, array_bytes: Optional[int] = None) -> dict
 
 
 def cache_path(key: dict, directory: Optional[str] = None) -> str:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(directory or default_dir(), f"host-bandwidth-{digest}.json")
+    return cache.cache_path(key, directory, "host-bandwidth")
 
 
 def load(path: str, key: dict) -> tuple:
