@@ -16,6 +16,8 @@
 #  q3-z2   ZeRO-2 Offload alone (clipping 1, 0); q3-tiled: Lins at 40 GiB with the logits and loss in 8 tiles
 #          (lins.tiling: the memory the head frees keeps more units' optimizer state on the GPU).
 #  l3, l3-old   the same on the 2.9B LLaMA (bench/models/llama-2.9b.json).
+#  q14     Qwen2.5-14B widths (bench/models/hub-qwen2.5-14b.json) on an H200 + at most 118 GiB of host, seq 4096, mb 1,
+#          gas 16, the solver's plan, clipping 1 then 0 (gpu_offload.sh q14). ~250 s a run.
 # Writes $OUT/host_update.{json,txt} and $OUT/<part>/issue26_*.tar.gz (gpu_offload.sh's archive of JSONs and logs).
 # Tables: python -m bench.host_exposed <dir> q3_lins_40_clip0 ... --baseline q3_zero2_offload_clip1 (see bench/README).
 set -uo pipefail
@@ -52,6 +54,7 @@ for part in ${PARTS:-bench q3 q3-old}; do
   q3-old) want q3-old 140 && offload /tmp/old $Q3 q3old noclip ;;
   l3) want l3 300 && offload "$NEW" $L3 l3 noclip noclip-ds noclip-fp ;;
   l3-old) want l3-old 140 && offload /tmp/old $L3 l3old noclip ;;
+  q14) want q14 200 && offload "$NEW" $L3 q14 q14 ;;  # the 14B on an H200 (gpu_offload.sh q14: GAS, CLIPS, HOST_GB)
   *) echo "unknown part $part" ;;
   esac
 done
