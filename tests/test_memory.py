@@ -291,3 +291,54 @@ def test_the_probe_measures_the_tiled_head_and_puts_the_model_s_own_tiling_back(
     assert tiling.tiling_of(model).logits_tiles == 3  # the model's tiling is back
     assert memory_probe._tiled_head(transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64)), [], {}, torch.device("cpu"), torch.Tensor) == ()
+
+
+def test_a_timed_layer_sets_the_rate_compute_is_priced_at():
+    """The probe times one layer's forward and backward on a GPU (``ActivationProfile.timed``); the solver then prices
+    compute at that rate, not the cluster model's assumed share of the peak (which priced a 3B model's backward 1.45x
+    longer than it ran, and so the host time it hides). Kept through the cache, a re-size and the fit of two lengths."""
+    from lins_ds.plan import context
+
+    topo, model, train, table, _ = _setting()
+    base = context.compute_for(table, "h200-emulated")
+    flops = 3 * 8192 * model.layer_forward_flops_per_token(4096)
+    timed = ActivationProfile("measured:test", 8192, 1.0, 0.1, 0.5, 2.0, seq_len=4096,
+                              timed=(flops / (0.55 * 989e12), 8192, 4096))
+    fast = context.compute_for(table, "h200-emulated", model, timed)
+    assert base.achievable_mfu == 0.35 and fast.achievable_mfu == pytest.approx(0.55)
+    assert context.compute_for(table, "h200-emulated", model, None) == base  # not timed (CPU, formula): as before
+    broken = ActivationProfile("measured:test", 8192, 1.0, 0.1, 0.5, 2.0, seq_len=4096, timed=(60.0, 8192, 4096))
+    assert context.compute_for(table, "h200-emulated", model, broken) == base
+    assert "not believable" in context.compute_note(model, broken, base, "h200-emulated")
+    note = context.compute_note(model, timed, fast, "h200-emulated")
+    assert "544 TFLOP/s, 55 % of 989" in note and "assumes 35 %" in note
+    assert context.compute_note(model, None, base, "h200-emulated") == ""
+    assert ActivationProfile.from_json(timed.to_json()) == timed
+    assert timed.scaled(4096, 2048).timed == timed.timed  # a rate: not stretched with the tokens
+    assert "timed" not in ActivationProfile("m", 1, 1.0, 1.0, 1.0, 1.0).to_json()  # written as before it existed
+    # the faster rate prices the same plan's backward (and so the recompute, what it hides) shorter
+    from lins_ds.plan.solver import compute_seconds
+
+    assert compute_seconds(model, train, fast, 4)[1] == pytest.approx(compute_seconds(model, train, base, 4)[1] * 35 / 55)
+
+
+def test_the_probe_times_a_layer_only_on_a_gpu():
+    prof, _, _ = probe_tiny()
+    assert prof.timed == ()  # CPU: no CUDA events, the cluster's model prices compute
+    from lins_ds.plan.memory import fitted
+
+    a = ActivationProfile("m", 256, 4.0, 1.0, 1.0, 8.0, seq_len=128, timed=(0.01, 256, 128))
+    b = ActivationProfile("m", 128, 2.0, 0.5, 0.5, 4.0, seq_len=64, timed=(0.004, 128, 64))
+    assert fitted(a, b).timed == a.timed
+
+
+@pytest.mark.gpu
+def test_the_probe_times_a_layer_on_a_gpu():
+    from lins_ds.runtime.memory import memory_probe
+
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=8, vocab_size=4096, max_position_embeddings=2048)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).cuda()
+    prof = memory_probe.probe(model, list(model.model.layers), 2, 1024, 4096, torch.device("cuda"))
+    seconds, tokens, seq = prof.timed
+    assert (tokens, seq) == (2048, 1024) and 1e-5 < seconds < 1.0

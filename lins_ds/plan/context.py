@@ -25,14 +25,48 @@ def reserved_gb(given: Optional[float], device_type: str) -> float:
     return given if given is not None else RESERVED_GB.get(device_type, 0.0)
 
 
-def compute_for(table: ProfileTable, cluster: str) -> ComputeSpec:
-    """The compute the solver prices recompute and the update with: a table that records it (``peak_tflops`` in its
-    meta), else the built-in cluster ``cluster``'s (lins.cluster / --cluster)."""
+def compute_for(table: ProfileTable, cluster: str, model=None, activations: Optional[ActivationProfile] = None
+                ) -> ComputeSpec:
+    """The compute the solver prices recompute, overlap and the update with: a table that records it (``peak_tflops``
+    in its meta), else the built-in cluster ``cluster``'s (lins.cluster / --cluster); at the rate one layer's forward
+    and backward ran on this device where the memory probe timed it (``measured_efficiency``): the cluster's assumed
+    fraction of the peak priced a 3B model's backward 1.45x longer than it ran on an H100, and so the host time it
+    hides."""
     meta, base = table.meta, get_cluster(cluster).compute()
-    if "peak_tflops" not in meta:
-        return base
-    return ComputeSpec(float(meta["peak_tflops"]), float(meta.get("achievable_mfu", base.achievable_mfu)),
-                       float(meta.get("memory_bandwidth_gbs", base.memory_bandwidth_gbs)))
+    spec = base if "peak_tflops" not in meta else ComputeSpec(
+        float(meta["peak_tflops"]), float(meta.get("achievable_mfu", base.achievable_mfu)),
+        float(meta.get("memory_bandwidth_gbs", base.memory_bandwidth_gbs)))
+    efficiency = measured_efficiency(model, activations, spec.peak_tflops)
+    return spec if efficiency is None else spec.at(efficiency)
+
+
+MIN_MEASURED_EFFICIENCY = 0.02  # a timing below this share of the peak is a broken one (a busy device), not a rate
+
+
+def measured_efficiency(model, activations: Optional[ActivationProfile], peak_tflops: float) -> Optional[float]:
+    """The share of ``peak_tflops`` one layer unit's timed forward and backward ran at (``ActivationProfile.timed``),
+    counted in the FLOPs the solver prices a layer with (3 x ``layer_forward_flops_per_token``); None where it was not
+    timed or the timing is not believable."""
+    if model is None or activations is None or not activations.timed:
+        return None
+    seconds, tokens, seq_len = activations.timed
+    if seconds <= 0 or tokens <= 0:
+        return None
+    efficiency = 3 * tokens * model.layer_forward_flops_per_token(seq_len) / (seconds * peak_tflops * 1e12)
+    return efficiency if efficiency >= MIN_MEASURED_EFFICIENCY else None
+
+
+def compute_note(model, activations: Optional[ActivationProfile], compute: ComputeSpec, cluster: str) -> str:
+    """The start-up summary's words for the rate compute is priced at where the probe timed a layer ("" where not)."""
+    assumed = get_cluster(cluster).compute().achievable_mfu
+    rate = f"{compute.flops_per_s / 1e12:.0f} TFLOP/s, {100 * compute.achievable_mfu:.0f} % of {compute.peak_tflops:.0f}"
+    if activations is None or not activations.timed:
+        return ""  # nothing measured: the cluster's model, as ever (no words)
+    if measured_efficiency(model, activations, compute.peak_tflops) is None:
+        return f"{rate} (the {cluster} model's; one layer's timing, {activations.timed[0]:.3g} s, is not believable)"
+    seconds, tokens, _ = activations.timed
+    return (f"{rate}: one layer's forward and backward ran {1e3 * seconds:.2f} ms for {tokens} tokens on this device "
+            f"(the {cluster} model assumes {100 * assumed:.0f} %)")
 
 
 def check_placement(spec: OffloadSpec, layout, topo: Topology) -> None:
@@ -66,6 +100,7 @@ class SolveContext:
     activations_note: str = "formula"
     offload: OffloadSpec = OffloadSpec()
     solution: object = None  # the Solution it gave (every feasible plan: the tuner's candidates)
+    compute_note: str = ""  # ``compute_note``'s words: the start-up summary's
 
     def solve(self, capacity_gb: Optional[float] = None):
         mem = self.mem if capacity_gb is None else MemorySpec(capacity_gb, self.mem.reserved_gb, self.mem.fragmentation)

@@ -77,6 +77,10 @@ class ActivationProfile:
     ``tiled_head`` (measured on a GPU where the model can be tiled; empty otherwise): the head under logits tiling,
     as (bytes that grow with the tokens, at ``tokens``; bytes per logit of one tile), the lm_head gradient the tiles
     accumulate not included (``tiled_head_bytes``).
+
+    ``timed`` (measured on a GPU; empty otherwise): one layer unit's forward and backward, no recompute, as (seconds,
+    tokens, sequence length) of the run timed; not scaled with the profile (``plan.context.compute_for`` turns it into
+    the rate the solver prices compute at).
     """
 
     source: str
@@ -88,6 +92,7 @@ class ActivationProfile:
     seq_len: int = 0
     quadratic: tuple = (0.0, 0.0, 0.0, 0.0)  # bytes of each of FIELDS that grow as micro-batch x seq_len^2
     tiled_head: tuple = ()  # (base bytes at ``tokens``, bytes per logit of one tile): the tiled loss, measured
+    timed: tuple = ()  # (seconds, tokens, seq_len): one layer's forward + backward, measured
 
     def scaled(self, tokens: int, seq_len: int = 0) -> "ActivationProfile":
         """The same model at another micro-batch size x sequence length: the linear part of each term scales with
@@ -97,7 +102,8 @@ class ActivationProfile:
         values = [(getattr(self, k) - q) * f + q * f * g for k, q in zip(FIELDS, self.quadratic)]
         tiled = (self.tiled_head[0] * f, self.tiled_head[1]) if self.tiled_head else ()
         return ActivationProfile(self.source, tokens, *values, seq_len=seq_len or self.seq_len,
-                                 quadratic=tuple(q * f * g for q in self.quadratic), tiled_head=tiled)
+                                 quadratic=tuple(q * f * g for q in self.quadratic), tiled_head=tiled,
+                                 timed=self.timed)
 
     def to_json(self) -> dict:
         out = dict(self.__dict__)
@@ -106,6 +112,10 @@ class ActivationProfile:
             out["tiled_head"] = list(self.tiled_head)
         else:
             del out["tiled_head"]
+        if self.timed:
+            out["timed"] = list(self.timed)
+        else:
+            del out["timed"]
         return out
 
     @classmethod
@@ -116,8 +126,12 @@ class ActivationProfile:
         tiled = tuple(float(v) for v in obj.get("tiled_head", ()))
         if tiled and len(tiled) != 2:
             raise ValueError(f"tiled_head: {len(tiled)} values, expected 2")
+        timed = tuple(obj.get("timed", ()))
+        if timed and len(timed) != 3:
+            raise ValueError(f"timed: {len(timed)} values, expected 3 (seconds, tokens, seq_len)")
+        timed = (float(timed[0]), int(timed[1]), int(timed[2])) if timed else ()
         return cls(str(obj["source"]), int(obj["tokens"]), *(float(obj[k]) for k in FIELDS),
-                   seq_len=int(obj.get("seq_len", 0)), quadratic=quad, tiled_head=tiled)
+                   seq_len=int(obj.get("seq_len", 0)), quadratic=quad, tiled_head=tiled, timed=timed)
 
 
 def fitted(longer: "ActivationProfile", shorter: "ActivationProfile") -> "ActivationProfile":
@@ -137,7 +151,7 @@ def fitted(longer: "ActivationProfile", shorter: "ActivationProfile") -> "Activa
         q = min(max(0.0, (v1 / l1 - v2 / l2) / (l1 - l2) * l1 * l1), v1)
         quad.append(q if q > QUADRATIC_NOISE * v1 else 0.0)
     return ActivationProfile(longer.source, longer.tokens, *(getattr(longer, k) for k in FIELDS), seq_len=l1,
-                             quadratic=tuple(quad), tiled_head=longer.tiled_head)
+                             quadratic=tuple(quad), tiled_head=longer.tiled_head, timed=longer.timed)
 
 
 QUADRATIC_NOISE = 0.01

@@ -10,7 +10,10 @@ than assuming it. For one micro-batch of the real shape:
    for backward (counted by ``saved_tensors_hooks``, each storage once, parameters excluded) and, on a
    GPU, the extra peak of its backward;
 3. the model runs with every layer unit replaced by the identity: what the rest (embedding, final norm,
-   logits, the loss's fp32 copies and their gradients) costs at its peak.
+   logits, the loss's fp32 copies and their gradients) costs at its peak;
+4. on a GPU, that layer's forward and backward is timed (``ActivationProfile.timed``): the rate the solver
+   prices compute at (``plan.context.compute_for``), so what it says the backward and forward hide is this
+   device's, not a cluster model's assumed share of the peak.
 
 Values do not matter, shapes and code do: a unit built on the meta device is materialised empty for the
 probe and returned to meta. Parameter gradients are dropped as soon as autograd produces them (what
@@ -279,6 +282,8 @@ def _probe_once(model: nn.Module, layers: list, micro_batch: int, seq_len: int, 
             args, kwargs = _capture_layer_inputs(model, layers[0], batch)
             s, t, out_type = _layer_run(layers[0], args, kwargs, device, checkpointed=False)
             s_ckpt, _, _ = _layer_run(layers[0], args, kwargs, device, checkpointed=True)
+            timed = ((_layer_seconds(layers[0], args, kwargs), micro_batch * seq_len, seq_len)
+                     if device.type == "cuda" else ())
             del args, kwargs
             head_saved, head_peak = _head_run(model, layers, batch, device, out_type)
             tiled = _tiled_head(model, layers, batch, device, out_type) if device.type == "cuda" else ()
@@ -288,7 +293,30 @@ def _probe_once(model: nn.Module, layers: list, micro_batch: int, seq_len: int, 
         t, head_peak = s, 2 * head_saved
     source = f"measured:{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'saved-tensors'}"
     return ActivationProfile(source, micro_batch * seq_len, float(s), float(s_ckpt), float(t), float(head_peak),
-                             seq_len=seq_len, tiled_head=tiled)
+                             seq_len=seq_len, tiled_head=tiled, timed=timed)
+
+
+TIMED_RUNS = 3  # one layer's forward + backward timed this many times (after the two runs above warmed it): the median
+
+
+def _layer_seconds(layer: nn.Module, args, kwargs) -> float:
+    """One layer unit's forward and backward (no checkpoint) on the GPU, in seconds: the median of ``TIMED_RUNS``
+    between CUDA events. The solver prices compute at this rate (``plan.context.compute_for``): the recompute, what
+    hides communication and the host's update."""
+    times = []
+    for _ in range(TIMED_RUNS):
+        x, a, kw = _hidden_first(args, kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with _drop_param_grads(layer):
+            start.record()
+            out = layer(*a, **kw)
+            hidden = out if isinstance(out, torch.Tensor) else out[0]
+            hidden.backward(torch.ones_like(hidden))
+            end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+        del x, a, kw, out, hidden
+    return sorted(times)[len(times) // 2]
 
 
 TILE_COUNTS = (2, 4)  # the logits tilings the probe measures the head under, to split a tile's bytes from the rest
@@ -341,7 +369,7 @@ def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.de
             "dtype": str(next(model.parameters()).dtype), "micro_batch": micro_batch, "seq_len": seq_len,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "lins_ds": __version__,
-            "fit": "linear+quadratic in the length; tiled head at 2 and 4 tiles"}  # older profiles are not reused
+            "fit": "linear+quadratic in the length; tiled head at 2 and 4 tiles; one layer timed"}  # older ones not reused
 
 
 def cache_path(key: dict, directory: str) -> str:

@@ -18,7 +18,8 @@ from deepspeed.utils import logger
 from ... import comm, dtypes
 from ...plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                      load_model)
-from ...plan.context import SolveContext, check_placement as _check_placement, compute_for, reserved_gb
+from ...plan.context import (SolveContext, check_placement as _check_placement, compute_for, compute_note,
+                             reserved_gb)
 from ...plan import sequence
 from ...plan.offload import HostSpec, OffloadSpec, host_optimizer_of, ladder, rungs_from, updates_in_backward, walk
 from ...plan.solver import NoFeasiblePlan, _gib
@@ -241,8 +242,10 @@ def solve_context(facts: LaunchFacts, cfg: LinsConfig, ckpt=None, table: Optiona
     if not comm.SUPPORTS_UNSORTED_GROUPS:  # older torch: only layouts whose groups are in rank order
         layouts = [lay for lay in layouts if not needs_unsorted_groups(topo, lay)]
     spec = offload if offload is not None else OffloadSpec()
-    return SolveContext(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table,
-                        compute_for(table, cfg.cluster), layouts, cfg.objective, acts, acts_note, spec)
+    compute = compute_for(table, cfg.cluster, model, acts)
+    return SolveContext(model, topo, train, MemorySpec(_memory_gb(cfg, device), reserved), table, compute, layouts,
+                        cfg.objective, acts, acts_note, spec,
+                        compute_note=compute_note(model, acts, compute, cfg.cluster))
 
 
 def wants_updates_in_backward(facts: LaunchFacts, cfg: LinsConfig) -> bool:
@@ -298,7 +301,10 @@ def solved(context: SolveContext, inferred: bool) -> tuple:
     except PlanError as e:  # the training spec's keys are the lins block's
         msg = str(e)
         raise LinsConfigError("lins." + msg if msg.startswith("activation_checkpointing:") else msg) from None
-    summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}" + _offload_note(context, sol.plan)
+    summary = report.to_table(sol) + f"\n  memory profile: {context.activations_note}"
+    if context.compute_note:
+        summary += f"\n  compute: {context.compute_note}"
+    summary += _offload_note(context, sol.plan)
     if context.model.unmodelled:
         summary += f"\n  model: {context.model.unmodelled}"
     return sol.plan, summary, dataclasses.replace(context, solution=sol)
