@@ -17,7 +17,7 @@
 #          (lins.tiling: the memory the head frees keeps more units' optimizer state on the GPU).
 #  l3, l3-old   the same on the 2.9B LLaMA (bench/models/llama-2.9b.json).
 #  q14     Qwen2.5-14B widths (bench/models/hub-qwen2.5-14b.json) on an H200 + at most 118 GiB of host, seq 4096, mb 1,
-#          gas 16, the solver's plan, clipping 1 then 0 (gpu_offload.sh q14). ~250 s a run.
+#          the solver's plan, one run per GAS:CLIP of Q14_RUNS (gpu_offload.sh q14; "16:1 16:0"). ~200-300 s a run.
 # Writes $OUT/host_update.{json,txt} and $OUT/<part>/issue26_*.tar.gz (gpu_offload.sh's archive of JSONs and logs).
 # Tables: python -m bench.host_exposed <dir> q3_lins_40_clip0 ... --baseline q3_zero2_offload_clip1 (see bench/README).
 set -uo pipefail
@@ -54,7 +54,7 @@ for part in ${PARTS:-bench q3 q3-old}; do
   q3-old) want q3-old 140 && offload /tmp/old $Q3 q3old noclip ;;
   l3) want l3 300 && offload "$NEW" $L3 l3 noclip noclip-ds noclip-fp ;;
   l3-old) want l3-old 140 && offload /tmp/old $L3 l3old noclip ;;
-  q14) want q14 200 && offload "$NEW" $L3 q14 q14 ;;  # the 14B on an H200 (gpu_offload.sh q14: GAS, CLIPS, HOST_GB)
+  q14) want q14 200 && offload "$NEW" $L3 q14 q14 ;;  # the 14B on an H200 (gpu_offload.sh q14: Q14_RUNS, HOST_GB)
   *) echo "unknown part $part" ;;
   esac
 done

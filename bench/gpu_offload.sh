@@ -91,14 +91,15 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
     echo "ZeRO-2 Offload footprint + reserve: $fp GiB" | tee -a "$OUT/log.txt"
     run ${P}_lins_fp_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb "$fp" \
       --gpu-cap-gb "$(python3 -c "print($fp - 2)")" "${L[@]}" "${LS[@]}" ;;
-  q14)  # issue 59's largest model: Qwen2.5-14B widths on one H200, seq 4096, micro-batch 1, gas GAS (16: 64k tokens
-    # a step), the card's own memory, host memory HOST_GB (at most 118 GiB, and 8 GiB under what the node has free);
-    # the solver picks checkpointing and the offload; gradient_clipping for each of CLIPS ("1 0"); 6 steps, 2 warm-up
+  q14)  # issue 59's largest model: Qwen2.5-14B widths on one H200, seq 4096, micro-batch 1, the card's own memory,
+    # host memory HOST_GB (at most 118 GiB, and 8 GiB under what the node has free); the solver picks checkpointing
+    # and the offload; one run per GAS:CLIP of Q14_RUNS ("16:1 16:0": 64k tokens a step, gradient_clipping 1 and 0)
     free=$(free -g | awk '/Mem:/ {print $7}'); hg=${HOST_GB:-$(( free - 8 < 118 ? free - 8 : 118 ))}
     echo "host memory for Lins: $hg GiB ($free GiB available)" | tee -a "$OUT/log.txt"
-    for c in ${CLIPS:-1 0}; do
-      run q14_lins_gas${GAS:-16}_clip$c ${Q14_LIMIT:-420} --deepspeed_config ds_configs/lins_offload.json \
-        --model bench/models/hub-qwen2.5-14b.json --seq-len 4096 --micro-batch-size 1 --grad-accum ${GAS:-16} \
+    for gc in ${Q14_RUNS:-16:1 16:0}; do
+      gas=${gc%:*} c=${gc#*:}
+      run q14_lins_gas${gas}_clip$c ${Q14_LIMIT:-420} --deepspeed_config ds_configs/lins_offload.json \
+        --model bench/models/hub-qwen2.5-14b.json --seq-len 4096 --micro-batch-size 1 --grad-accum $gas \
         --steps ${Q14_STEPS:-6} --warmup-steps 2 --ds-set lins.host_memory_gb=$hg --ds-set gradient_clipping=$c "${L[@]}"
     done ;;
   3b-ratio)
