@@ -322,9 +322,39 @@ def test_a_timed_layer_sets_the_rate_compute_is_priced_at():
     assert compute_seconds(model, train, fast, 4)[1] == pytest.approx(compute_seconds(model, train, base, 4)[1] * 35 / 55)
 
 
+def test_a_timing_is_not_a_rate_for_an_moe_layer_or_above_the_peak():
+    """The probe's empty weights route every token of an MoE layer to the same experts (a few large GEMMs where
+    training runs many small ones); a rate above the peak is a FLOP count that is not the layer's. Both keep the
+    cluster's model, and say why."""
+    from lins_ds.plan import context
+    from lins_ds.plan.model import load_model
+
+    topo, model, train, table, _ = _setting()
+    base = context.compute_for(table, "h200-emulated")
+    flops = 3 * 8192 * model.layer_forward_flops_per_token(4096)
+    above = ActivationProfile("measured:test", 8192, 1.0, 0.1, 0.5, 2.0, seq_len=4096,
+                              timed=(flops / (1.2 * 989e12), 8192, 4096))
+    assert context.compute_for(table, "h200-emulated", model, above) == base
+    moe = load_model("bench/models/family-qwen3-h1024-l28.json")
+    moe = type(moe)(**{**moe.__dict__, "experts": 8, "experts_per_token": 2})
+    timed = ActivationProfile("measured:test", 8192, 1.0, 0.1, 0.5, 2.0, seq_len=4096,
+                              timed=(3 * 8192 * moe.layer_forward_flops_per_token(4096) / (0.5 * 989e12), 8192, 4096))
+    assert context.compute_for(table, "h200-emulated", moe, timed) == base
+    assert "MoE" in context.compute_note(moe, timed, base, "h200-emulated")
+
+
 def test_the_probe_times_a_layer_only_on_a_gpu():
-    prof, _, _ = probe_tiny()
+    from lins_ds.runtime.memory import memory_probe
+
+    prof, model, _ = probe_tiny()
     assert prof.timed == ()  # CPU: no CUDA events, the cluster's model prices compute
+    cpu = torch.device("cpu")
+    assert memory_probe.cache_key(model, 2, 64, cpu)["timed"] is False
+    # under DeepSpeed's torch_autocast the engine asks for no timing: a profile timed without it is not reused
+    cuda = torch.device("cuda")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "get_device_name", lambda device=None: "test")
+        assert memory_probe.cache_key(model, 2, 64, cuda, time_layer=False) != memory_probe.cache_key(model, 2, 64, cuda)
     from lins_ds.plan.memory import fitted
 
     a = ActivationProfile("m", 256, 4.0, 1.0, 1.0, 8.0, seq_len=128, timed=(0.01, 256, 128))

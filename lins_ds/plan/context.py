@@ -41,19 +41,21 @@ def compute_for(table: ProfileTable, cluster: str, model=None, activations: Opti
 
 
 MIN_MEASURED_EFFICIENCY = 0.02  # a timing below this share of the peak is a broken one (a busy device), not a rate
+MAX_MEASURED_EFFICIENCY = 1.0  # ... and above the peak, a FLOP count that is not the layer's
 
 
 def measured_efficiency(model, activations: Optional[ActivationProfile], peak_tflops: float) -> Optional[float]:
     """The share of ``peak_tflops`` one layer unit's timed forward and backward ran at (``ActivationProfile.timed``),
     counted in the FLOPs the solver prices a layer with (3 x ``layer_forward_flops_per_token``); None where it was not
-    timed or the timing is not believable."""
-    if model is None or activations is None or not activations.timed:
+    timed or the timing is not believable, and for an MoE layer: the probe's empty weights route every token to the
+    same experts, a few large GEMMs where training runs many small ones."""
+    if model is None or activations is None or not activations.timed or getattr(model, "experts", 0):
         return None
     seconds, tokens, seq_len = activations.timed
     if seconds <= 0 or tokens <= 0:
         return None
     efficiency = 3 * tokens * model.layer_forward_flops_per_token(seq_len) / (seconds * peak_tflops * 1e12)
-    return efficiency if efficiency >= MIN_MEASURED_EFFICIENCY else None
+    return efficiency if MIN_MEASURED_EFFICIENCY <= efficiency <= MAX_MEASURED_EFFICIENCY else None
 
 
 def compute_note(model, activations: Optional[ActivationProfile], compute: ComputeSpec, cluster: str) -> str:
@@ -63,7 +65,9 @@ def compute_note(model, activations: Optional[ActivationProfile], compute: Compu
     if activations is None or not activations.timed:
         return ""  # nothing measured: the cluster's model, as ever (no words)
     if measured_efficiency(model, activations, compute.peak_tflops) is None:
-        return f"{rate} (the {cluster} model's; one layer's timing, {activations.timed[0]:.3g} s, is not believable)"
+        why = ("an MoE layer's timing under the probe's routing is not its rate" if getattr(model, "experts", 0)
+               else f"one layer's timing, {activations.timed[0]:.3g} s, is not believable")
+        return f"{rate} (the {cluster} model's; {why})"
     seconds, tokens, _ = activations.timed
     return (f"{rate}: one layer's forward and backward ran {1e3 * seconds:.2f} ms for {tokens} tokens on this device "
             f"(the {cluster} model assumes {100 * assumed:.0f} %)")

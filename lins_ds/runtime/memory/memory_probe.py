@@ -238,19 +238,21 @@ def _without_hooks(model: nn.Module):
 
 
 def probe(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab: int,
-          device: torch.device) -> ActivationProfile:
+          device: torch.device, time_layer: bool = True) -> ActivationProfile:
     """Measure ``model`` (a causal LM taking ``input_ids`` and ``labels``) whose layer units are ``layers``, at
     ``seq_len`` and at half of it, and split each term into its linear and quadratic parts in the length
     (``plan.memory.fitted``): eager attention keeps seq x seq tensors, and a re-size for a longer batch must grow
     them as the square of the length, not linearly. A length whose logits would not fit beside what the device holds
     already is measured at the longest half, quarter, ... that does (``probe_length``): the fitted profile scales to
-    the length asked for, as it does for every re-size."""
+    the length asked for, as it does for every re-size. ``time_layer`` (on a GPU): time one layer's forward and
+    backward (``ActivationProfile.timed``); not where the GEMMs run in another dtype than the parameters (DeepSpeed's
+    torch_autocast, which the probe runs outside of)."""
     seq_len = probe_length(seq_len, micro_batch, vocab, device)
-    at_full = _probe_once(model, layers, micro_batch, seq_len, vocab, device)
+    at_full = _probe_once(model, layers, micro_batch, seq_len, vocab, device, time_layer)
     half = seq_len // 2
     if half < SHORTEST_FIT_SEQ:
         return at_full
-    return fitted(at_full, _probe_once(model, layers, micro_batch, half, vocab, device))
+    return fitted(at_full, _probe_once(model, layers, micro_batch, half, vocab, device, time_layer=False))
 
 
 SHORTEST_FIT_SEQ = 8  # below this the two lengths are too close to constant buffers to split the terms
@@ -272,7 +274,7 @@ def probe_length(seq_len: int, micro_batch: int, vocab: int, device: torch.devic
 
 
 def _probe_once(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab: int,
-                device: torch.device) -> ActivationProfile:
+                device: torch.device, time_layer: bool = True) -> ActivationProfile:
     tokens = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
     batch = {"input_ids": tokens, "labels": tokens}
     was_training = model.training
@@ -283,7 +285,7 @@ def _probe_once(model: nn.Module, layers: list, micro_batch: int, seq_len: int, 
             s, t, out_type = _layer_run(layers[0], args, kwargs, device, checkpointed=False)
             s_ckpt, _, _ = _layer_run(layers[0], args, kwargs, device, checkpointed=True)
             timed = ((_layer_seconds(layers[0], args, kwargs), micro_batch * seq_len, seq_len)
-                     if device.type == "cuda" else ())
+                     if device.type == "cuda" and time_layer else ())
             del args, kwargs
             head_saved, head_peak = _head_run(model, layers, batch, device, out_type)
             tiled = _tiled_head(model, layers, batch, device, out_type) if device.type == "cuda" else ()
@@ -355,7 +357,7 @@ def tiled_terms(peaks: list, tokens: int, head_weight: torch.Tensor) -> tuple:
     return (float(base), float(per_logit))
 
 
-def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device) -> dict:
+def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, time_layer: bool = True) -> dict:
     """What the measurement depends on: the model's code and shapes, dtype, batch, device and versions."""
     import transformers  # its version changes the model's code
 
@@ -369,7 +371,8 @@ def cache_key(model: nn.Module, micro_batch: int, seq_len: int, device: torch.de
             "dtype": str(next(model.parameters()).dtype), "micro_batch": micro_batch, "seq_len": seq_len,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "lins_ds": __version__,
-            "fit": "linear+quadratic in the length; tiled head at 2 and 4 tiles; one layer timed"}  # older ones not reused
+            "fit": "linear+quadratic in the length; tiled head at 2 and 4 tiles; one layer timed",  # older: not reused
+            "timed": bool(time_layer and device.type == "cuda")}
 
 
 def cache_path(key: dict, directory: str) -> str:
@@ -378,16 +381,16 @@ def cache_path(key: dict, directory: str) -> str:
 
 
 def obtain(model: nn.Module, layers: list, micro_batch: int, seq_len: int, vocab: int, device: torch.device,
-           cache_dir: str, log=print) -> ActivationProfile:
+           cache_dir: str, log=print, time_layer: bool = True) -> ActivationProfile:
     """Rank 0's cached measurement for this model and batch, else measured now by rank 0 and cached; every
     rank returns rank 0's profile, so every rank plans alike."""
     found = None
     if comm.rank() == 0:
-        key = cache_key(model, micro_batch, seq_len, device)
+        key = cache_key(model, micro_batch, seq_len, device, time_layer)
         path = cache_path(key, cache_dir)
         found = _read(path, key)
         if found is None:
-            found = probe(model, layers, micro_batch, seq_len, vocab, device).to_json()
+            found = probe(model, layers, micro_batch, seq_len, vocab, device, time_layer).to_json()
             failed = _write(path, key, found)
             log(f"lins memory profile: {found['source']}, " + (f"saved {path}" if failed is None else
                 f"warning: not cached ({failed}); lins.profile_cache names a writable directory"))

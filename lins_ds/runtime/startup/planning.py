@@ -135,8 +135,10 @@ def checkpoint_units(module: torch.nn.Module, cfg: LinsConfig):
     return already if already else None
 
 
-def activation_profile(module: torch.nn.Module, cfg: LinsConfig, train: TrainingSpec, device) -> tuple:
-    """(ActivationProfile or None for the formula, a note on its source) per lins.memory_profile."""
+def activation_profile(module: torch.nn.Module, cfg: LinsConfig, train: TrainingSpec, device,
+                       time_layer: bool = True) -> tuple:
+    """(ActivationProfile or None for the formula, a note on its source) per lins.memory_profile; ``time_layer``: the
+    probe times a layer (``memory_probe.probe``)."""
     source = cfg.memory_profile or ("measure" if device.type == "cuda" else "formula")
     if source == "formula":
         return None, "formula"
@@ -156,7 +158,8 @@ def activation_profile(module: torch.nn.Module, cfg: LinsConfig, train: Training
         return None, "formula (the memory probe needs a causal LM with a vocab_size and layer units)"
     prof = memory_probe.obtain(module, layers, train.micro_batch_size, train.seq_len, vocab, device,
                                cfg.profile_cache or default_dir(),
-                               log=lambda msg: print(msg, flush=True) if comm.rank() == 0 else None)
+                               log=lambda msg: print(msg, flush=True) if comm.rank() == 0 else None,
+                               time_layer=time_layer)
     return prof, prof.source
 
 
@@ -236,7 +239,9 @@ def solve_context(facts: LaunchFacts, cfg: LinsConfig, ckpt=None, table: Optiona
                          host_update_in_backward=wants_updates_in_backward(facts, cfg))
     device = facts.device
     table = table or _timing_table(cfg, topo, model, train, device)
-    acts, acts_note = activation_profile(module, cfg, train, device)
+    # the probe runs outside DeepSpeed's torch_autocast: a layer timed in the parameters' dtype is not the GEMMs' rate
+    acts, acts_note = activation_profile(module, cfg, train, device,
+                                         time_layer=dtypes.name_of(facts.gemm_dtype) == facts.param_dtype)
     reserved = reserved_gb(cfg.reserved_gb, device.type)
     layouts = candidates(topo)
     if not comm.SUPPORTS_UNSORTED_GROUPS:  # older torch: only layouts whose groups are in rank order
