@@ -332,7 +332,9 @@ def tune_decisions(tmp, edit):
         if edit == "edited":
             obj["plan"]["activation_checkpointing_units"] = 1
         elif edit == "other topology":
-            obj["plan"]["nodes"], obj["plan"]["gpus_per_node"] = 1, 4
+            # 2 nodes of 4 (this job is 2 of 2): any mesh the tuner picked still divides it, so what is refused is the
+            # topology, whichever plan won (1 node refused an inter factor of 2 first when that plan won)
+            obj["plan"]["nodes"], obj["plan"]["gpus_per_node"] = 2, 4
             obj["seal"] = tune._seal(obj["key"], obj["plan"])
         elif edit == "impossible offload":
             obj["plan"]["offload_units"], obj["plan"]["offload_params"] = 3, True
