@@ -759,3 +759,46 @@ def test_the_start_up_summary_says_once_that_the_first_host_update_makes_the_mom
     ahead = planning._offload_note(context, SimpleNamespace(placement=Placement.of(2), host_gb=3.0,
                                                             host_update_in_backward=True))
     assert ahead.count(planning.IN_BACKWARD_NOTE) == 1 and planning.IN_BACKWARD_NOTE not in note
+
+
+def host_time_lines(plans):
+    """Each plan trained 6 steps with every unit's OS on the host: what rank 0 printed with "lins host time"."""
+    import contextlib
+    import io
+
+    import deepspeed
+
+    out = []
+    for plan in plans:
+        model = tiny_llama()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(param_groups(model)),
+                                          config=config({"plan": plan, "offload": CPU, "host_optimizer": "torch"}))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train(engine, steps=6)
+        engine.destroy()
+        out.append([line for line in printed.getvalue().splitlines() if line.startswith("lins host time")])
+    return out
+
+
+def test_the_host_time_steps_waited_is_said_next_to_the_start_up_s_prediction():
+    """After the steps that make Adam's moments, rank 0 says once what steps 3-5 waited for the host, against what the
+    start-up priced for the plan it runs, and the rate the worker updated at against the start-up's: what a user
+    checks the start-up's exposed host time against (issue 59). A fixed plan has no prediction: the wait alone."""
+    from lins_ds.runtime.step.host_report import HostTimeReport, host_time_note
+
+    solved, fixed = run(host_time_lines, 2, ["solve", REPLICATED], gpus_per_node=2)[0]
+    assert len(solved) == 1 and "steps 3-5 waited" in solved[0] and " vs predicted " in solved[0], solved
+    assert "G elements/s in training, start-up priced" in solved[0], solved
+    assert len(fixed) == 1 and " vs predicted " not in fixed[0], fixed
+    report = HostTimeReport()
+    stats = {"waited_s": 1.0, "instance": "a", "worker_spent_s": {"update": 0.5}, "worker_elems": 10**9}
+    assert report.after_step(2, stats, 0.4, 4e9) is None
+    said = report.after_step(5, {**stats, "waited_s": 2.5}, 0.4, 4e9)
+    assert said == ("lins host time: steps 3-5 waited 0.500 s a step for the host vs predicted 0.400 s, +25 %; the "
+                    "host update ran 2.00 G elements/s in training, start-up priced 4.00")
+    rebuilt = HostTimeReport()  # a re-layout between the steps built another offload: nothing to compare
+    rebuilt.after_step(2, stats, 0.4, 4e9)
+    assert rebuilt.after_step(5, {**stats, "instance": "b"}, 0.4, 4e9) is None
+    assert host_time_note(0.1, None, None, None) == "lins host time: steps 3-5 waited 0.100 s a step for the host"
+    assert host_time_note(0.1, 0.0, None, None).endswith("vs predicted 0.000 s")  # nothing predicted: no percentage

@@ -106,6 +106,10 @@ class SolveContext:
     solution: object = None  # the Solution it gave (every feasible plan: the tuner's candidates)
     compute_note: str = ""  # ``compute_note``'s words: the start-up summary's
 
+    def host_update_rate(self) -> Optional[float]:
+        """The host update's elements per second this context prices offload with (None: it has no host)."""
+        return self.offload.host.update_elems_per_s if self.offload.host is not None else None
+
     def solve(self, capacity_gb: Optional[float] = None):
         mem = self.mem if capacity_gb is None else MemorySpec(capacity_gb, self.mem.reserved_gb, self.mem.fragmentation)
         return solve(self.model, self.topo, self.train, mem, self.table, self.compute, layouts=self.layouts,

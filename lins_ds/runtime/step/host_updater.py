@@ -105,6 +105,10 @@ class HostUpdater:
     def units(self) -> list:
         return [u for u, _ in self.by_unit]
 
+    def elements(self) -> int:
+        """Elements the worker updates a step (this rank's offloaded OS chunks)."""
+        return sum(s.master.param.numel() for _, slices in self.by_unit for s in slices)
+
     def nbytes(self) -> int:
         """Host bytes of the offloaded state: masters, their optimizer state, the gradient and parameter copies."""
         n = 0

@@ -14,6 +14,7 @@ from ...plan import Plan
 from ..config import LinsConfig
 from ..memory import memory_guard
 from ..runtime import runs_differently
+from ..step.host_report import HostTimeReport
 from ..startup.facts import LaunchFacts
 from ..startup.planning import agree_on_plan, announce, forward_only_plan, misaligned_note, plan_for_length, start_plan
 from ..startup.seq_len import LengthWatch, batch_length
@@ -30,6 +31,7 @@ class Planner:
         self.tuner: Optional[tune.Tuner] = None  # "plan": "tune", while trials run
         self.tune_report: Optional[list] = None  # the trials' table once tuning is over
         self._tune_pending = False  # "tune" waits for the batches' length
+        self._host_report = HostTimeReport()  # the host time steps 3-5 waited, against the start-up's price
         self._trials: Optional[tuple] = None  # (candidates, decision) to start once the runtime exists
 
     # --- the first plan ------------------------------------------------------------------------------------
@@ -117,8 +119,20 @@ class Planner:
         one's), and the tuner's next trial or decision."""
         if before == GUARD_AFTER_STEPS - 1 and after == GUARD_AFTER_STEPS:
             memory_guard.check(runtime.plan, self.context, runtime.device, runtime.host_gb())
+        if after != before:
+            said = self._host_report.after_step(after, runtime.host_stats(), *self._host_prediction(runtime.plan))
+            if said is not None:
+                announce(said)  # rank 0's
         if self.tuner is not None and after != before and self.tuner.after_step():
             self.tune_report, self.tuner = self.tuner.report, None
+
+    def _host_prediction(self, plan: Plan) -> tuple:
+        """(the exposed host time per step the start-up priced for ``plan``, the host update rate it priced with);
+        None for what it did not price (a fixed plan, a plan the tuner or a re-layout put in its place)."""
+        ctx = self.context
+        sol = ctx.solution if ctx is not None else None
+        return ((sol.best.offload_s if sol is not None and sol.plan == plan else None),
+                ctx.host_update_rate() if ctx is not None else None)
 
     # --- tuning's start ------------------------------------------------------------------------------------
     def _tune_start(self, plan: Plan, summary: str) -> tuple:
