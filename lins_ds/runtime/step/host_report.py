@@ -18,6 +18,11 @@ class HostTimeReport:
     def __init__(self):
         self._mark: Optional[tuple] = None
 
+    @staticmethod
+    def wants(step: int) -> bool:
+        """Whether ``after_step`` needs the counters after optimizer step ``step`` (two steps of a run)."""
+        return step in (FROM_STEP, TO_STEP)
+
     def after_step(self, step: int, stats: Optional[dict], predicted_s: Optional[float],
                    priced_elems_per_s: Optional[float]) -> Optional[str]:
         if stats is None:

@@ -119,7 +119,7 @@ class Planner:
         one's), and the tuner's next trial or decision."""
         if before == GUARD_AFTER_STEPS - 1 and after == GUARD_AFTER_STEPS:
             memory_guard.check(runtime.plan, self.context, runtime.device, runtime.host_gb())
-        if after != before:
+        if after != before and self._host_report.wants(after):
             said = self._host_report.after_step(after, runtime.host_stats(), *self._host_prediction(runtime.plan))
             if said is not None:
                 announce(said)  # rank 0's
