@@ -32,6 +32,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", help="built-in synthetic cluster (default a800-ib); with --profile only its compute "
                    "model, as lins.cluster in the engine (default h200-emulated, lins.cluster's)")
     p.add_argument("--profile", help="profile table JSON written by lins-ds profile")
+    p.add_argument("--memory-profile", help="activation memory profile JSON, as lins.memory_profile (what lins-ds "
+                   "profile --memory wrote, or an engine start-up cached beside the profiles): its activations, and "
+                   "where it timed a layer on a GPU, the compute rate the engine prices with")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="parameter dtype")
     p.add_argument("--grad-accum-dtype", choices=["bf16", "fp16", "fp32"], help="gradient accumulation dtype (default: the parameter dtype, as DeepSpeed)")
     p.add_argument("--grad-reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient communication dtype (default: --dtype)")
@@ -109,15 +112,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     topo = P.Topology(args.nodes, args.gpus_per_node)
     model = P.load_model(args.model)
+    acts = context.read_activations(args.memory_profile, "--memory-profile") if args.memory_profile else None
     if args.profile:  # the engine's rules for a profile JSON (lins.profile): compute from lins.cluster's default
         table = P.ProfileTable.load(args.profile)
-        compute = context.compute_for(table, args.cluster or context.DEFAULT_CLUSTER)
+        cluster_name = args.cluster or context.DEFAULT_CLUSTER
         capacity = args.gpu_memory_gb if args.gpu_memory_gb is not None else table.meta.get("gpu_memory_gb")
     else:
         cluster = P.get_cluster(args.cluster or "a800-ib")
-        table = cluster.table(cost.required_meshes(topo, P.candidates(topo)))
-        compute = context.compute_for(table, cluster.name)
+        table, cluster_name = cluster.table(cost.required_meshes(topo, P.candidates(topo))), cluster.name
         capacity = args.gpu_memory_gb if args.gpu_memory_gb is not None else cluster.gpu_memory_gb
+    compute = context.compute_for(table, cluster_name, model, acts)  # the engine's rate where the profile timed one
     if capacity is None:
         raise P.PlanError("--gpu-memory-gb: required when the profile does not record the GPU memory")
     train = P.TrainingSpec(args.seq_len, args.micro_batch_size, args.grad_accum, args.dtype,
@@ -133,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         def solve(spec):
             spec = sequence.with_host(spec, act, lambda: host)
             return P.solve(model, topo, sequence.tiled(t, mlp, logits, act), mem, table, compute,
-                           objective=args.objective, offload=spec), True
+                           objective=args.objective, activations=acts, offload=spec), True
         return walk(rungs, solve, (P.NoFeasiblePlan,))
 
     def plan_at(t):  # the engine's policies: "auto" offloads, then tiles, then offloads activations, each only where
@@ -162,7 +166,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**report.to_json(sol), **({"longest": longest.to_json()} if longest else {}),
                           **({"head_tiling": head.strip()} if head else {})}, indent=1))
     else:
-        print(report.to_table(sol) + head + (f"\n{longest.describe()}" if longest else ""))
+        said = context.compute_note(model, acts, compute, cluster_name)
+        print(report.to_table(sol) + (f"\n  compute: {said}" if said else "") + head
+              + (f"\n{longest.describe()}" if longest else ""))
     return 0
 
 

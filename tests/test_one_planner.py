@@ -82,6 +82,18 @@ def files(tmp_path_factory):
     obj["meta"]["device"] = "cpu"
     (tmp / "profile.json").write_text(json.dumps(obj))
     tiny_llama(layers=4).config.to_json_file(tmp / "config.json")
+    # the formula's activations for the CLI's batch, as a memory profile file: without, and with a layer timed at 70 %
+    # of the peak (a GPU's profile: the engine prices compute at that rate)
+    from dataclasses import replace
+
+    from lins_ds.plan import TrainingSpec, load_model
+    from lins_ds.plan.memory import formula_activations
+
+    model = load_model(str(tmp / "config.json"))
+    acts = replace(formula_activations(model, TrainingSpec(64, 2, 2, "fp32")), source="measured:test")
+    (tmp / "memory.json").write_text(json.dumps({"profile": acts.to_json()}))
+    seconds = 3 * acts.tokens * model.layer_forward_flops_per_token(64) / (0.7 * 989e12)
+    (tmp / "memory_timed.json").write_text(json.dumps({"profile": replace(acts, timed=(seconds, acts.tokens, 64)).to_json()}))
     return tmp
 
 
@@ -94,6 +106,27 @@ def test_the_cli_prints_the_plan_the_engine_runs(files, capsys, case):
     got = cli_plan(files, capsys, gb, offload)
     for key in KEYS:
         assert got[key] == want[key], (case, key, got[key], want[key])
+
+
+def test_a_timed_memory_profile_gives_the_cli_the_engine_s_rate_and_plan(files, capsys):
+    """A GPU's memory profile, its layer timed (the rate the engine prices compute at, ``plan.context.compute_for``),
+    given to both (lins.memory_profile, --memory-profile): the same plan and predicted step; the same profile without
+    the timing prices the recompute otherwise (the rate is used, not ignored by both)."""
+    from helpers import run
+
+    lins, gb, offload = CASES["solve, offload off, tight"]
+    timed = str(files / "memory_timed.json")
+    want = run(engine_plan, GPUS, str(files / "profile.json"), {**lins, "gpu_memory_gb": gb, "memory_profile": timed},
+               gpus_per_node=GPUS)[0]
+    got = cli_plan(files, capsys, gb, [*offload, "--memory-profile", timed])
+    for key in (*KEYS, "predicted_recompute_s_per_step"):
+        assert got[key] == want[key], (key, got[key], want[key])
+    untimed = cli_plan(files, capsys, gb, [*offload, "--memory-profile", str(files / "memory.json")])
+    assert untimed["activation_checkpointing_units"] == got["activation_checkpointing_units"] > 0
+    assert got["predicted_recompute_s_per_step"] == pytest.approx(untimed["predicted_recompute_s_per_step"] * 35 / 70)
+    assert main(["plan", "--model", "llama-7b", "--nodes", "1", "--gpus-per-node", "1", "--seq-len", "64",
+                 "--micro-batch-size", "1", "--memory-profile", str(files / "config.json")]) == 2
+    assert "--memory-profile: " in capsys.readouterr().err  # not a memory profile: named, not a traceback
 
 
 def test_the_cases_reach_every_rung(files, capsys):

@@ -40,6 +40,20 @@ def compute_for(table: ProfileTable, cluster: str, model=None, activations: Opti
     return spec if efficiency is None else spec.at(efficiency)
 
 
+def read_activations(path: str, key: str) -> ActivationProfile:
+    """An activation memory profile from a file (``lins.memory_profile`` / ``lins-ds plan --memory-profile``): what
+    ``lins-ds profile --memory`` wrote or an engine's start-up cached (``{"key": ..., "profile": ...}``), or the profile
+    alone; ``key`` names the setting in the error."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        return ActivationProfile.from_json(obj.get("profile", obj))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PlanError(f"{key}: {path} is not a memory profile ({e})") from None
+
+
 MIN_MEASURED_EFFICIENCY = 0.02  # a timing below this share of the peak is a broken one (a busy device), not a rate
 MAX_MEASURED_EFFICIENCY = 1.0  # ... and above the peak, a FLOP count that is not the layer's
 

@@ -8,7 +8,6 @@ table for this launch, or a quick measurement (every rank takes part, every rank
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Optional
 
 import psutil
@@ -19,13 +18,12 @@ from ... import comm, dtypes
 from ...plan import (MemorySpec, Plan, PlanError, ProfileTable, Topology, TrainingSpec, candidates, get_cluster,
                      load_model)
 from ...plan.context import (SolveContext, check_placement as _check_placement, compute_for, compute_note,
-                             reserved_gb)
+                             read_activations, reserved_gb)
 from ...plan import sequence
 from ...plan.offload import HostSpec, OffloadSpec, host_optimizer_of, ladder, rungs_from, updates_in_backward, walk
 from ...plan.solver import NoFeasiblePlan, _gib
 from ...plan import cost, report
 from ...plan.layout import needs_unsorted_groups
-from ...plan.memory import ActivationProfile
 from ...plan.spec import ALIGN_BYTES
 from ...plan.model import from_hf_config, measured
 from ..step import host_optimizer, recompute, tiling
@@ -144,11 +142,9 @@ def activation_profile(module: torch.nn.Module, cfg: LinsConfig, train: Training
         return None, "formula"
     if source != "measure":
         try:
-            with open(source, encoding="utf-8") as f:
-                obj = json.load(f)
-            return ActivationProfile.from_json(obj.get("profile", obj)), source
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise LinsConfigError(f"lins.memory_profile: {source} is not a memory profile ({e})") from None
+            return read_activations(source, "lins.memory_profile"), source
+        except PlanError as e:
+            raise LinsConfigError(str(e)) from None
     from ...profiler.cache import default_dir
     from ..memory import memory_probe
 
