@@ -3,8 +3,8 @@
 prints is what the engine runs: held for offload off / auto / fixed, budgets that force each rung of "auto"'s ladder,
 and "solve" and "tune" (whose first plan is the solver's best). The engine runs on 2 gloo ranks, on a profile the CLI
 reads too; its host is the CLI's (on a CPU, "auto" never offloads: the test gives the engine the CLI's host). On a GPU
-the engine's memory probe also times a layer and prices compute at that rate (``plan.context.compute_for``), which the
-CLI cannot know: there the two agree given the same compute, as here (the formula profile, nothing timed)."""
+the engine's memory probe also times a layer and prices compute at that rate (``plan.context.compute_for``): the CLI
+prices the same given the same profile (``--memory-profile``, held below)."""
 
 import json
 
