@@ -5,6 +5,7 @@ whoever asks: the defaults (reserve, compute model) are not written twice, and t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,8 +45,6 @@ def read_activations(path: str, key: str) -> ActivationProfile:
     """An activation memory profile from a file (``lins.memory_profile`` / ``lins-ds plan --memory-profile``): what
     ``lins-ds profile --memory`` wrote or an engine's start-up cached (``{"key": ..., "profile": ...}``), or the profile
     alone; ``key`` names the setting in the error."""
-    import json
-
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
