@@ -216,3 +216,18 @@ def test_tiling_comes_only_where_nothing_fits_without_it_and_after_offload(capsy
     fixed = plan("--gpu-memory-gb", "24", "--tiling", "2,4")
     assert (fixed["mlp_tiles"], fixed["logits_tiles"]) == (2, 4)
     assert fixed["memory_gb_per_gpu"] < fits["memory_gb_per_gpu"]
+
+
+def test_short_host_memory_names_the_least_any_plan_that_fits_the_gpu_needs(capsys):
+    """Where the host is what is short, the error names the least host memory of the plans that fit the GPU, over
+    every placement of the offloaded units' G and P (it named the fastest placement's: Qwen2.5-14B widths with the
+    logits tiled said 118.95 GiB at 112, where OS, G and P of 25 units need 115.36): given that much, a plan fits."""
+    args = ["plan", "--model", "bench/models/hub-qwen2.5-14b.json", "--nodes", "1", "--gpus-per-node", "1",
+            "--gpu-memory-gb", "139", "--cluster", "h200-emulated", "--seq-len", "4096", "--micro-batch-size", "1",
+            "--grad-accum", "16", "--host-update-gelems", "2.5", "--host-copy-gbs", "90", "--tiling", "1,8"]
+    assert main([*args, "--host-memory-gb", "112"]) == 2
+    err = capsys.readouterr().err
+    named = float(err.split(" GiB of host memory")[0].rsplit("needs ", 1)[1])
+    assert "the least host memory" in err and named < 118, err
+    assert main([*args, "--host-memory-gb", str(named + 0.01), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_memory_gb"] == pytest.approx(named, abs=0.01)

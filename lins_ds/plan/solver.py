@@ -314,24 +314,28 @@ def fewest_offloaded(ev, choices: list) -> tuple:
     return (best, n) if best is not None else (ev(choices[-1]), n + 1)
 
 
-def fewest_offloaded_placed(ev, choices: list, placements: list) -> tuple:
+def fewest_offloaded_placed(ev, choices: list, placements: list, seen: Optional[list] = None) -> tuple:
     """(evaluation, how many evaluated): ``ev(placement)`` for each of ``placements`` (``OffloadSpec.placements``:
     the tiers of the offloaded units' states) with the fewest offloaded units that fit (``fewest_offloaded`` over
     ``choices``: within one placement more offload only costs time and only saves memory); then the faster of those
     that fit. Across placements fewer is not faster: G or P on the host lets fewer units fit, but adds the host's
-    sums during backward, or the uploads before each use."""
+    sums during backward, or the uploads before each use. ``seen``: gets each placement's evaluation too (what the
+    error names where no plan fits the host: the placement that needs the least of it, not the fastest)."""
     found, count = [], 0
     for shape in placements:
         e, n = fewest_offloaded(lambda o: ev(shape.with_units(o)), choices)
         found.append(e)
         count += n
+    if seen is not None:
+        seen.extend(found)
     return best_placement(found), count
 
 
 def _no_plan(smallest: Evaluation, mem: MemorySpec) -> NoFeasiblePlan:
     if smallest.fits_gpu:  # host memory is what is short
         return NoFeasiblePlan(
-            f"no plan fits: the smallest on the GPU, {smallest.layout}{_describe_ckpt(smallest)}, needs "
+            f"no plan fits: of those that fit the GPU, the one that needs the least host memory, "
+            f"{smallest.layout}{_describe_ckpt(smallest)}, needs "
             f"{_gib(smallest.memory.host_gb)} GiB of host memory per rank for its offloaded optimizer state, "
             f"{_gib(smallest.host_capacity_gb)} GiB available (lins.host_memory_gb / --host-memory-gb)",
             smallest, mem.capacity_gb)
@@ -381,14 +385,16 @@ def solve(model: ModelSpec, topo: Topology, train: TrainingSpec, mem: MemorySpec
                             offload)
 
         for k in choices:  # ascending: the first that fits without more offload than needed is this layout's best
-            e, n = fewest_offloaded_placed(lambda placement: ev(k, placement), offload_choices, places)
+            placed: list = []
+            e, n = fewest_offloaded_placed(lambda placement: ev(k, placement), offload_choices, places, placed)
             considered += n
             if k == choices[0] or e.fits:
                 evals.append(e)
             if smallest is None or (e.memory.total_gb, e.sort_key()) < (smallest.memory.total_gb, smallest.sort_key()):
                 smallest = e
-            if e.fits_gpu and (least_host is None or e.memory.host_gb < least_host.memory.host_gb):
-                least_host = e
+            for p in placed:  # of every placement, not only the fastest: the host the least demanding one needs
+                if p.fits_gpu and (least_host is None or p.memory.host_gb < least_host.memory.host_gb):
+                    least_host = p
             if e.fits and e.placement.n_units == offload_choices[0]:
                 break  # more checkpointing only costs more
     if smallest is None:
