@@ -74,7 +74,8 @@ def measured_efficiency(model, activations: Optional[ActivationProfile], peak_tf
 def compute_note(model, activations: Optional[ActivationProfile], compute: ComputeSpec, cluster: str) -> str:
     """The start-up summary's words for the rate compute is priced at where the probe timed a layer ("" where not)."""
     assumed = get_cluster(cluster).compute().achievable_mfu
-    rate = f"{compute.flops_per_s / 1e12:.0f} TFLOP/s, {100 * compute.achievable_mfu:.0f} % of {compute.peak_tflops:.0f}"
+    rate = (f"{compute.flops_per_s / 1e12:.0f} TFLOP/s, {100 * compute.achievable_mfu:.0f} % of "
+            f"{compute.peak_tflops:.0f}")
     if activations is None or not activations.timed:
         return ""  # nothing measured: the cluster's model, as ever (no words)
     if measured_efficiency(model, activations, compute.peak_tflops) is None:

@@ -39,9 +39,9 @@ def usable_cores(cpu_max: str = CPU_MAX) -> int:
 def host_threads(ranks_per_node: int = 1, cores: int = 0) -> int:
     """Intra-op threads for a host thread's passes (the host update's, the gradient sums'): this rank's share of the
     usable cores (``usable_cores``, shared by the node's ``ranks_per_node`` ranks; where ``OMP_NUM_THREADS`` is set,
-    as DeepSpeed's ``--bind_cores_to_rank`` sets it to each rank's cores, torch's count is that share) less the core its training thread
-    keeps busy launching the device's work, at most torch's own setting (OMP_NUM_THREADS, torch.set_num_threads,
-    a launcher's choice), at least 1.
+    as DeepSpeed's ``--bind_cores_to_rank`` sets it to each rank's cores, torch's count is that share) less the core
+    its training thread keeps busy launching the device's work, at most torch's own setting (OMP_NUM_THREADS,
+    torch.set_num_threads, a launcher's choice), at least 1.
 
     Why not torch's setting itself: it is a team of every core, and the training thread runs beside it. One of
     the team's threads then shares a core with the training thread, and each parallel region (every op over a

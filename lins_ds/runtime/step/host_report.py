@@ -33,8 +33,8 @@ class HostTimeReport:
         if step != TO_STEP or self._mark is None or self._mark[1] != stats["instance"]:
             return None
         waited = (stats["waited_s"] - self._mark[0]) / (TO_STEP - FROM_STEP)
-        update_s = (stats.get("worker_spent_s") or {}).get("update", 0.0)
-        rate = stats.get("worker_elems", 0) / update_s if update_s > 0 else None
+        update_s = stats["worker_spent_s"].get("update", 0.0)  # {} before the worker's first update
+        rate = stats["worker_elems"] / update_s if update_s > 0 else None
         return host_time_note(waited, predicted_s, rate, priced_elems_per_s)
 
 
