@@ -345,7 +345,7 @@ def host_step(engine, before: list):
     last = next((s for s in reversed(before) if s), None)
     waited = total - last["waited_total_s"] if last is not None and last["offload"] == built else total
     return {"waited_s": waited, "waited_total_s": total, "offload": built, "worker_s": stats["worker_s"],
-            "worker_spent_s": stats["worker_spent_s"]}
+            "worker_spent_s": stats["worker_spent_s"], "worker_timeline": stats.get("worker_timeline", {})}
 
 
 def offload_summary(engine, steps: int):

@@ -306,7 +306,9 @@ def test_the_updater_runs_each_update_on_the_optimizers_threads():
 
     updater = HostUpdater.__new__(HostUpdater)  # only what the worker reads
     updater.opt, updater.coef, updater._lane = Opt(), torch.ones(1), host_memory.PinnedHost(torch.device("cpu")).lane()
-    updater.by_unit, updater._error, updater._interval = [("u0", ["slice"]), ("u1", ["slice"])], None, 0.005
+    updater.by_unit = [(_Unit("u0"), ["slice"]), (_Unit("u1"), ["slice"])]
+    updater._error, updater._interval = None, 0.005
+    updater._t0, updater._backward_end, updater._ready_at = 0.0, None, {}
     updater._tickets = [HostTicket(updater, "u0"), HostTicket(updater, "u1")]
     seen = []
     updater._update = lambda s, coef, hyper: seen.append(torch.get_num_threads())
@@ -315,8 +317,69 @@ def test_the_updater_runs_each_update_on_the_optimizers_threads():
     t.start()
     t.join()
     assert updater._error is None and all(tk.ready() for tk in updater._tickets)
+    assert [row[0] for row in updater.last_timeline["units"]] == ["u0", "u1"]  # after the step: no backward's end
+    assert updater.last_timeline["backward_end_ms"] is None
     assert seen == ([1, 1] if host_memory.per_thread_counts() else [torch.get_num_threads()] * 2)
     master = torch.nn.Parameter(torch.zeros(8))
     opt = HostOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), [[master]], "torch",
                         torch.device("cpu"))
     assert opt.threads == host_memory.host_threads(1)
+
+
+# --- inside the last backward: the worker takes a unit whose gradient is there ------------------------------------
+class _Unit:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Grads:
+    """HostGrads' side the worker sees: which units' sums are final."""
+
+    def __init__(self, units):
+        self.final = {u: threading.Event() for u in units}
+
+    def is_final(self, unit):
+        return self.final[unit].is_set()
+
+    def wait_final(self, unit):
+        self.final[unit].wait()
+
+    def error(self):
+        return ""
+
+
+def test_the_worker_updates_a_unit_that_is_ready_before_waiting_for_the_next_forwards():
+    """Gradients become final last unit first; the host adds each up in the order they came. Where the next forward's
+    unit is not added up yet, the worker takes a unit that is (it waited for the next forward's before, idle while the
+    host added up the units ahead of it); of those ready, the one the next forward needs first; with none ready, the
+    first that came. The timeline says when each was final, ready and done."""
+    import queue
+    import time
+
+    from lins_ds.runtime.step.host_updater import HostTicket, HostUpdater, timeline
+
+    a, b, c, d = units = [_Unit(n) for n in "abcd"]  # forward order
+    up = HostUpdater.__new__(HostUpdater)
+    up.by_unit = [(u, [u.name]) for u in units]
+    up._tickets = [HostTicket(up, u.name) for u in units]
+    up._grads, up._arrivals, up._t0, up._ready_at = _Grads(units), queue.Queue(), time.perf_counter(), {}
+    for u in (d, c, b, a):  # the backward made all four final; the host added up d and b only
+        up._arrivals.put((u, [u.name], None, time.perf_counter()))
+    up._grads.final[d].set()
+    up._grads.final[b].set()
+    stuck = threading.Timer(5.0, lambda: [e.set() for e in up._grads.final.values()])  # a worker that waits, freed
+    stuck.start()
+    work = up._ahead(coef=1.0)
+    got = [next(work)[0]]  # b: ready, and needed before d
+    got.append(next(work)[0])  # d: the only one ready (a and c are not)
+    threading.Timer(0.05, up._grads.final[c].set).start()  # the host adds c, then a
+    threading.Timer(0.10, up._grads.final[a].set).start()
+    got.append(next(work)[0])  # none ready: the first that came of the rest (c)
+    got.append(next(work)[0])
+    stuck.cancel()
+    assert got == [["b"], ["d"], ["c"], ["a"]]
+    assert set(up._ready_at) == {"a", "b", "c", "d"} and all(r >= f >= 0 for f, r in up._ready_at.values())
+    rows = [(n, *up._ready_at[n], up._ready_at[n][1] + 0.001) for n in "bdca"]
+    out = timeline(rows, up._t0 + 0.002, up._t0)
+    assert out["backward_end_ms"] == 2.0 and [r[0] for r in out["units"]] == list("bdca")
+    assert out["units"][2][2] >= 50.0  # c was ready only when the host had added it up

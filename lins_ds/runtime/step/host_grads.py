@@ -156,6 +156,10 @@ class HostGrads:
         inside the last backward reads it then). Returns at once where the thread failed (``error()`` says why)."""
         self._final[unit].wait()
 
+    def is_final(self, unit) -> bool:
+        """Whether ``wait_final(unit)`` would return at once."""
+        return self._final[unit].is_set()
+
     def drained(self) -> bool:
         return self._queue.unfinished_tasks == 0
 

@@ -101,6 +101,9 @@ class HostUpdater:
         self.last_spent_s: dict = {}  # ... of it waiting for the gradients, updating, launching the uploads
         self.waited_s = 0.0  # how long the main thread has blocked on host updates, in total (exposed host work)
         self.ahead_hyperparameters: Optional[list] = None  # what the updates inside the last backward took
+        self._t0, self._backward_end = 0.0, None  # the worker's start; inside the last backward, that backward's end
+        self._ready_at: dict = {}  # unit name -> (its gradient final, ready for the worker), s after ``_t0``
+        self.last_timeline: dict = {}  # the worker's last step, unit by unit (``timeline``)
 
     def units(self) -> list:
         return [u for u, _ in self.by_unit]
@@ -147,6 +150,7 @@ class HostUpdater:
             unit.begin_host_update(ticket)
         self._interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
+        self._t0, self._backward_end, self._ready_at = time.perf_counter(), None, {}
         self._thread = threading.Thread(target=self._run, args=(events, hyper), name="lins-host-update", daemon=True)
         self._thread.start()
 
@@ -161,6 +165,7 @@ class HostUpdater:
         self._arrivals, self._delivered = queue.Queue(), 0
         self._interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
+        self._t0, self._backward_end, self._ready_at = time.perf_counter(), None, {}
         self._thread = threading.Thread(target=self._work, args=(self._ahead(coef), self.ahead_hyperparameters),
                                         name="lins-host-update", daemon=True)
         self._thread.start()
@@ -172,26 +177,30 @@ class HostUpdater:
         if slices is None:
             return
         self._delivered += 1
+        at = time.perf_counter()
         if slices and slices[0].on_host:  # the host adds its last micro-batch: the worker waits for that
-            self._arrivals.put((unit, slices, None))
+            self._arrivals.put((unit, slices, None, at))
             return
         self._down.follow()  # written on the current stream
         with self._down.issuing():
             self._arrivals.put((unit, slices, self._down.download(
-                [(s.grad, s.master.range.grads()) for s in slices], keep=(unit.g_acc,))))
+                [(s.grad, s.master.range.grads()) for s in slices], keep=(unit.g_acc,)), at))
 
     def begin_ahead(self) -> None:
         """The backward ended (every unit at rest, every unit given to ``final``): each unit UPDATING with its ticket,
         which the next window's first gradient of the unit waits for (``wait_unit``; inside this backward it waited
         for the last step's, done)."""
+        self._backward_end = time.perf_counter()
         self._ticket_of = {u: t for (u, _), t in zip(self.by_unit, self._tickets)}
         for (unit, _), ticket in zip(self.by_unit, self._tickets):
             unit.begin_host_update(ticket)
 
     def _ahead(self, coef: float):
-        """The worker's units as their gradients become final (``final``): of those that came, the one the next forward
-        needs first (the backward makes them final last unit first, and the worker falls behind it), each once its
-        gradient is down."""
+        """The worker's units as their gradients become final (``final``): of those that came and are ready (down, or
+        added up by the host), the one the next forward needs first (the backward makes them final last unit first,
+        and the worker falls behind it). Where none that came is ready, it waits for the first that came: the copies
+        down and the host's sums finish in the order the units came. (Waiting for the next forward's unit instead
+        left the worker idle while the host added up the units that came before it.)"""
         tickets = dict(zip(self.units(), self._tickets))
         order = {u: i for i, u in enumerate(self.units())}  # forward order
         came: list = []
@@ -202,16 +211,28 @@ class HostUpdater:
                 came.append(self._arrivals.get_nowait())
             if any(item is None for item in came):  # join() before every unit came: the backward broke off
                 raise RuntimeError("the window's last backward ended before every offloaded unit's gradient was final")
-            item = min(came, key=lambda it: order[it[0]])
+            ready = [it for it in came if self._is_ready(it)] or [self._wait_ready(came[0])]
+            item = min(ready, key=lambda it: order[it[0]])
             came.remove(item)
-            unit, slices, copied = item
-            if copied is None:
-                self._grads.wait_final(unit)
-                if self._grads.error():
-                    raise RuntimeError(self._grads.error())
-            else:
-                copied.synchronize()
-            yield slices, tickets[unit], coef
+            self._wait_ready(item)  # ready: returns at once (a failed host sum raises)
+            self._ready_at[item[0].name] = (item[3] - self._t0, time.perf_counter() - self._t0)
+            yield item[1], tickets[item[0]], coef
+
+    def _is_ready(self, item) -> bool:
+        """Whether the gradient of an arrival (``final``'s (unit, slices, copied, at)) is there to update from."""
+        unit, _, copied, _ = item
+        return self._grads.is_final(unit) if copied is None else copied.done()
+
+    def _wait_ready(self, item):
+        """Block until the gradient of an arrival is there (raises where the host's sum of it failed); the arrival."""
+        unit, _, copied, _ = item
+        if copied is None:
+            self._grads.wait_final(unit)
+            if self._grads.error():
+                raise RuntimeError(self._grads.error())
+        else:
+            copied.synchronize()
+        return item
 
     def _run(self, events: list, hyper: list) -> None:
         """The worker after ``start``: the units in forward order, each once its gradient (and the coefficient) came
@@ -219,6 +240,7 @@ class HostUpdater:
         def units():
             for (unit, slices), ev, ticket in zip(self.by_unit, events, self._tickets):
                 ev.synchronize()
+                self._ready_at[unit.name] = (None, time.perf_counter() - self._t0)
                 yield slices, ticket, float(self.coef[0])
 
         self._work(units(), hyper)
@@ -228,6 +250,7 @@ class HostUpdater:
         until then), and launch its upload; the time spent, by what the worker waited on, in ``last_spent_s``."""
         t0 = time.perf_counter()
         spent = dict.fromkeys(("download", "update", "upload"), 0.0)  # the worker's time by what it waited on
+        rows = []  # unit by unit, s after ``_t0``: final, ready, updated
         try:
             # on the optimizer's threads (host_memory.host_threads): a team one core short of this rank's cores, so
             # that the training thread beside it never holds up a parallel region
@@ -240,12 +263,14 @@ class HostUpdater:
                     t, spent["update"] = time.perf_counter(), spent["update"] + time.perf_counter() - t
                     ticket.finish(self._upload(slices))
                     spent["upload"] += time.perf_counter() - t
+                    rows.append((ticket.unit_name, *self._ready_at.get(ticket.unit_name, (None, None)), t - self._t0))
                     t = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - raised on every rank at the next step boundary (error())
             self._error = e
             for ticket in self._tickets:
                 ticket.abandon()
         self.last_update_s, self.last_spent_s = time.perf_counter() - t0, spent
+        self.last_timeline = timeline(rows, self._backward_end, self._t0)
         sys.setswitchinterval(self._interval)
 
     def _update(self, s: HostSlice, coef: float, hyper: list) -> None:
@@ -301,3 +326,14 @@ class HostUpdater:
         return f"lins: the host optimizer's update failed on rank {comm.rank()}: {type(self._error).__name__}: " \
                f"{self._error}"
 
+
+
+def timeline(rows: list, backward_end: Optional[float], t0: float) -> dict:
+    """The worker's last step unit by unit, in the order it updated them, in ms from its start (the window's last
+    backward's start where it updated inside it; else ``step()``): when the unit's gradient was final (inside the
+    backward), when it was there to update from, when its update was done; and when that backward ended (None: after
+    the step, or the worker was done first). What ``bench/train.py`` records to show where a step's host time went."""
+    def ms(s):
+        return None if s is None else round(1e3 * s, 1)
+    return {"backward_end_ms": ms(None if backward_end is None else backward_end - t0),
+            "units": [[name, ms(final), ms(ready), ms(done)] for name, final, ready, done in rows]}

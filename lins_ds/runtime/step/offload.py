@@ -273,6 +273,7 @@ class HostOffload:
                 "worker_s": up.last_update_s if up is not None else 0.0,
                 "worker_spent_s": dict(up.last_spent_s) if up is not None else {},
                 "worker_elems": up.elements() if up is not None else 0,
+                "worker_timeline": dict(up.last_timeline) if up is not None else {},
                 "host_optimizer": self.optimizer_name,
                 "instance": f"{id(up)}:{id(grads)}"}  # new counters (from zero) where this changes
 

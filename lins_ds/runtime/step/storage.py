@@ -51,6 +51,10 @@ class Copied:
         if self.event is not None:
             self.event.synchronize()
 
+    def done(self) -> bool:
+        """Whether the copies are done (without blocking)."""
+        return self.event is None or self.event.query()
+
 
 DONE = Copied()  # copies made at the call (a synchronous lane) with nothing queued after them
 
