@@ -364,14 +364,30 @@ def upload_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, hos
     return 2 * train.grad_accum * sum(offloaded(units, k)) / layout.p.size * train.param_bytes / host.h2d_gbs / 1e9
 
 
-def backward_host_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec) -> float:
+def host_sums(train: TrainingSpec) -> int:
+    """G on the host: the passes a window's micro-batch gradients take into a unit's accumulator (a sum, or a copy
+    that converts); the window's first lands in the accumulator itself where its dtype is the accumulator's."""
+    same = (train.grad_reduce_dtype or train.param_dtype) == (train.grad_accum_dtype or train.param_dtype)
+    return train.grad_accum - (1 if same else 0)
+
+
+def backward_host_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec,
+                          final_too: bool = True) -> float:
     """G on the host, per step: the host's sums of the offloaded units' micro-batch gradients into their
     accumulators and the pass that takes their norm at the window's end (each a read of the chunk). The copies
-    down run on a copy engine beside the backward."""
+    down run on a copy engine beside the backward. ``final_too`` False: without what follows a unit's last
+    gradient (``final_seconds_per_element``), which the host update waits for where it starts in the backward."""
     per = sum(offloaded(units, k)) / layout.os.size
-    same = (train.grad_reduce_dtype or train.param_dtype) == (train.grad_accum_dtype or train.param_dtype)
-    sums = train.grad_accum - (1 if same else 0)  # the window's first lands in the accumulator when it can
-    return per * (sums / host.accumulate_elems_per_s + 1 / host.norm_elems_per_s)
+    if final_too:
+        return per * (host_sums(train) / host.accumulate_elems_per_s + 1 / host.norm_elems_per_s)
+    return per * (host_sums(train) - min(1, host_sums(train))) / host.accumulate_elems_per_s
+
+
+def final_seconds_per_element(train: TrainingSpec, host: HostSpec) -> float:
+    """G on the host: the host's work on an element of a unit's chunk once the window's last backward made its
+    gradient final, before its update can read it: the last micro-batch's sum (none where it came straight down into
+    the accumulator) and the norm pass. The host thread that does it shares the cores and memory with the update."""
+    return min(1, host_sums(train)) / host.accumulate_elems_per_s + 1 / host.norm_elems_per_s
 
 
 def exposed_seconds(units: list, placement: Placement, layout: Layout, train: TrainingSpec, host: HostSpec,
@@ -380,28 +396,38 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
     order, less what the next forward hides (``hides_behind_forward``): the first units run their forward
     meanwhile, and an offloaded unit's forward waits only for its own update. Where ``train.host_update_in_backward``
     the updates start inside the window's last backward (``backward_s``, recompute included) instead, and that
-    backward hides them too (``updated_in_backward``). With G on the host, the host's work on the gradients
-    (``backward_host_seconds``) where it outlasts the GPU work it runs beside (``behind_s``: the window's compute
-    from the first gradient on). With P on the host, the uploads (``upload_seconds``) where they outlast the
-    window's compute."""
+    backward hides them too (``updated_in_backward``). With G on the host and the backward given, a unit's update
+    follows the host's last sum and norm of its gradient (``final_seconds_per_element``): inside the backward, unit by
+    unit; after the step, once the host is done with every unit's (``host_final_done``). The host's other work on
+    the gradients (``backward_host_seconds``) where it outlasts the GPU work it runs beside (``behind_s``: the
+    window's compute from the first gradient on). With P on the host, the uploads (``upload_seconds``) where they
+    outlast the window's compute."""
     k = placement.n_units
     off = offloaded(units, k)
     if not off:
         return 0.0
     s_os = layout.os.size
     times = [unit_seconds(n, s_os, train, host, placement) for n in off]
-    behind = (max(0.0, backward_host_seconds(units, k, layout, train, host) - behind_s) if placement.offloads("g")
+    in_backward = train.host_update_in_backward and backward_s > 0
+    grads = placement.offloads("g")
+    # G on the host: with the last backward known, the host's work on each unit's final gradient is priced from
+    # when the unit is final (``final_seconds_per_element``); the window's other sums beside its compute
+    behind = (max(0.0, backward_host_seconds(units, k, layout, train, host, backward_s <= 0) - behind_s) if grads
               else 0.0)
     if placement.offloads("p"):
         behind += max(0.0, upload_seconds(units, k, layout, train, host) - behind_s)
-    if train.host_update_in_backward and backward_s > 0:
+    final = [n / s_os * final_seconds_per_element(train, host) for n in off] if grads else [0.0] * len(off)
+    if in_backward:  # each unit's last sum and norm, then its update: on the same cores and memory
+        times = [t + f for t, f in zip(times, final)]
         return updated_in_backward(units, times, forward_s, backward_s, hides_behind_forward(layout)) + behind
+    # after the step: the updates start once the host is done with the last backward's gradients
+    late = max(0.0, host_final_done(units, final, backward_s) - backward_s) if grads and backward_s > 0 else 0.0
     if not hides_behind_forward(layout):
-        return sum(times) + behind
+        return late + sum(times) + behind
     total = sum(units)
     per_unit_fwd = [forward_s * n / total for n in units]
     t = sum(per_unit_fwd[:len(units) - k])  # the resident units' forward runs while the host works
-    done = 0.0
+    done = late
     for upd, fwd in zip(times, per_unit_fwd[len(units) - k:]):
         done += upd
         t = max(t, done) + fwd
@@ -418,6 +444,16 @@ def gradient_final_seconds(units: list, backward_s: float) -> list:
         final.append(backward_s * left / layers)
         left -= n
     return final
+
+
+def host_final_done(units: list, final: list, backward_s: float) -> float:
+    """When the host is done with the last ``len(final)`` units' final gradients (``final[i]`` seconds each), from the
+    last backward's start: one unit at a time, each from when it is final (last unit first)."""
+    at = gradient_final_seconds(units, backward_s)[len(units) - len(final):]
+    free = 0.0
+    for f, work in sorted(zip(at, final)):
+        free = max(free, f) + work
+    return free
 
 
 def updated_in_backward(units: list, times: list, forward_s: float, backward_s: float, hides: bool) -> float:

@@ -248,8 +248,8 @@ def evaluate(topo: Topology, layout: Layout, ckpt_units: int, model: ModelSpec, 
     units = model.unit_params()
     host = offload.host
     in_backward = updates_in_backward(train, layout, topo.world_size, placement)
-    off_s = (offload_exposed(units, placement, layout, train, host, fwd, train.grad_accum * (fwd + bwd) - fwd,
-                             backward_s=bwd if in_backward else 0.0) if placement.n_units else 0.0)
+    off_s = (offload_exposed(units, placement, layout, replace(train, host_update_in_backward=in_backward), host,
+                             fwd, train.grad_accum * (fwd + bwd) - fwd, backward_s=bwd) if placement.n_units else 0.0)
 
     def at(act_units: int) -> Evaluation:
         mb = memory(model, train, mem, topo, layout, ckpt_units, activations, placement, act_units)
