@@ -25,7 +25,7 @@ import torch
 from ... import comm
 from ...plan.host_update import BLOCKS, PIECE, achieved_fraction, bytes_per_element
 from ...plan.offload import HostSpec
-from ...profiler import host_bandwidth
+from ...profiler import host_bandwidth, host_rate
 from ..errors import LinsConfigError
 from .host_memory import HOST_PIECE, SWITCH_INTERVAL_S, host_empty, host_threads, intra_op_threads, square_sum
 
@@ -289,6 +289,12 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: O
             accumulate = _time_accumulate(device, elems, *grad_dtypes)
     source = (f"measured on {device.type} beside a training-like thread; the update alone {best[0] / 1e9:.2f} G "
               f"elements/s, {bandwidth_note(best[0], best[3], bandwidth, grad_dtypes[0].itemsize)}")
+    kept, path = host_rate.load(cache_dir, host_rate.key(device.type, comm.local_world_size(), best[1], best[4],
+                                                         str(grad_dtypes[0])))
+    if kept is not None:  # what the last run's worker on this host ran in training, not the stand-in's timing
+        source = (f"the update at {kept / 1e9:.2f} G elements/s, as the last run on this host ran it in training "
+                  f"({path}); {rate / 1e9:.2f} at start-up, " + source)
+        rate = kept
     return HostSpec(capacity_gb, rate, h2d, d2h, best[1], source, *accumulate), best[2]
 
 

@@ -17,6 +17,7 @@ class HostTimeReport:
 
     def __init__(self):
         self._mark: Optional[tuple] = None
+        self.rate: Optional[float] = None  # the worker's update rate the line said (elements per second)
 
     @staticmethod
     def wants(step: int) -> bool:
@@ -35,6 +36,7 @@ class HostTimeReport:
         waited = (stats["waited_s"] - self._mark[0]) / (TO_STEP - FROM_STEP)
         update_s = stats["worker_spent_s"].get("update", 0.0)  # {} before the worker's first update
         rate = stats["worker_elems"] / update_s if update_s > 0 else None
+        self.rate = rate
         return host_time_note(waited, predicted_s, rate, priced_elems_per_s)
 
 

@@ -112,6 +112,11 @@ class HostUpdater:
         """Elements the worker updates a step (this rank's offloaded OS chunks)."""
         return sum(s.master.param.numel() for _, slices in self.by_unit for s in slices)
 
+    def rate_key(self) -> dict:
+        """What the worker's update rate depends on besides the host (``profiler.host_rate.key``'s optimizer part)."""
+        grad = next((s.grad.dtype for _, slices in self.by_unit for s in slices), None)
+        return {"optimizer": self.opt.name, "threads": self.opt.threads, "grad_dtype": str(grad)}
+
     def nbytes(self) -> int:
         """Host bytes of the offloaded state: masters, their optimizer state, the gradient and parameter copies."""
         n = 0

@@ -274,6 +274,7 @@ class HostOffload:
                 "worker_spent_s": dict(up.last_spent_s) if up is not None else {},
                 "worker_elems": up.elements() if up is not None else 0,
                 "worker_timeline": dict(up.last_timeline) if up is not None else {},
+                "update_key": up.rate_key() if up is not None else None,
                 "host_optimizer": self.optimizer_name,
                 "instance": f"{id(up)}:{id(grads)}"}  # new counters (from zero) where this changes
 

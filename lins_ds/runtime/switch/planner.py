@@ -11,9 +11,11 @@ from typing import Optional
 
 from ... import comm
 from ...plan import Plan
+from ...profiler import host_rate
 from ..config import LinsConfig
 from ..memory import memory_guard
 from ..runtime import runs_differently
+from ..step.host_optimizer import update_elems
 from ..step.host_report import HostTimeReport
 from ..startup.facts import LaunchFacts
 from ..startup.planning import agree_on_plan, announce, forward_only_plan, misaligned_note, plan_for_length, start_plan
@@ -120,11 +122,23 @@ class Planner:
         if before == GUARD_AFTER_STEPS - 1 and after == GUARD_AFTER_STEPS:
             memory_guard.check(runtime.plan, self.context, runtime.device, runtime.host_gb())
         if after != before and self._host_report.wants(after):
-            said = self._host_report.after_step(after, runtime.host_stats(), *self._host_prediction(runtime.plan))
+            stats = runtime.host_stats()
+            said = self._host_report.after_step(after, stats, *self._host_prediction(runtime.plan))
             if said is not None:
-                announce(said)  # rank 0's
+                announce(said + self._keep_host_rate(runtime.device, stats))  # rank 0's
         if self.tuner is not None and after != before and self.tuner.after_step():
             self.tune_report, self.tuner = self.tuner.report, None
+
+    def _keep_host_rate(self, device, stats: dict) -> str:
+        """Rank 0: the worker's update rate in training kept for this host's next start-up (``profiler.host_rate``),
+        and the words that say so ('' where it was not kept)."""
+        rate = self._host_report.rate
+        if comm.rank() != 0 or rate is None or not stats.get("update_key"):
+            return ""
+        path = host_rate.save(self.cfg.profile_cache, host_rate.key(device.type, comm.local_world_size(),
+                                                                    **stats["update_key"]),
+                              rate, stats["worker_elems"], update_elems())
+        return f"; kept for this host's next start-up ({path})" if path else ""
 
     def _host_prediction(self, plan: Plan) -> tuple:
         """(the exposed host time per step the start-up priced for ``plan``, the host update rate it priced with);
