@@ -182,8 +182,9 @@ class HostProbe:
     it chose (a plan that offloads runs it: ``Plan.host_optimizer``)."""
 
     def __init__(self, basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tuple = (torch.bfloat16,) * 2,
-                 given: Optional[HostSpec] = None):
+                 given: Optional[HostSpec] = None, in_backward: bool = False):
         self.basic, self.cfg, self.device, self.grad_dtypes = basic, cfg, device, grad_dtypes
+        self.in_backward = in_backward  # the updates may start inside the last backward (the kept rate's key)
         self._done, self._host = given is not None, given
 
     def __call__(self) -> Optional[HostSpec]:
@@ -201,7 +202,8 @@ class HostProbe:
             return HostSpec(capacity, source="assumed: a CPU device", kind=kind)
         try:
             found, error = host_optimizer.measure(self.basic, cfg.host_optimizer, device, capacity,
-                                                  grad_dtypes=self.grad_dtypes, cache_dir=cfg.profile_cache), None
+                                                  grad_dtypes=self.grad_dtypes, cache_dir=cfg.profile_cache,
+                                                  in_backward=self.in_backward), None
         except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
             found, error = None, str(e) if isinstance(e, LinsConfigError) else f"lins.offload: {type(e).__name__}: {e}"
         error = comm.agree(error)
@@ -415,8 +417,8 @@ def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
     where no GPU-resident plan fits; a fixed offload is its one rung), on the first rung of lins.tiling's that has one
     (``tiling_rungs``, walked by ``plan.sequence.walk``: untiled first)."""
     build = solve_plan if cfg.solve else fixed_plan
-    wants_updates_in_backward(facts, cfg)  # a refused lins.host_update_in_backward before anything is timed
-    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype))
+    early = wants_updates_in_backward(facts, cfg)  # a refused lins.host_update_in_backward before anything is timed
+    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), in_backward=early)
 
     def tiled(mlp: int, logits: int, act) -> tuple:
         def attempt(spec: OffloadSpec) -> tuple:
@@ -503,7 +505,8 @@ def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, 
     keeps its layout and checkpointing."""
     context = dataclasses.replace(context, train=dataclasses.replace(context.train, seq_len=seq_len), solution=None)
     inferred = cfg.seq_len is None
-    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), context.offload.host)
+    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), context.offload.host,
+                     context.train.host_update_in_backward)
 
     def tiled(mlp: int, logits: int, act) -> tuple:
         train = sequence.tiled(context.train, mlp, logits, act)

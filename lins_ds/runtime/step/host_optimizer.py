@@ -255,7 +255,8 @@ def update_piece(opt: HostOptimizer, master: torch.Tensor, grad: torch.Tensor, u
 
 
 def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: Optional[int] = None,
-            grad_dtypes: tuple = (torch.bfloat16, torch.bfloat16), cache_dir: Optional[str] = None) -> tuple:
+            grad_dtypes: tuple = (torch.bfloat16, torch.bfloat16), cache_dir: Optional[str] = None,
+            in_backward: bool = False) -> tuple:
     """(HostSpec, host optimizer kind): this host's offload speeds, timed here: the host optimizer's update of
     ``elems`` fp32 elements (a unit's piece; by default ``update_elems()``, more than the last-level cache holds)
     and pinned copies of a bf16 tensor of that size each way. ``kind`` "auto" tries torch's fused Adam and
@@ -264,7 +265,9 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: O
     bandwidth (``profiler.host_bandwidth``, cached in ``cache_dir``) is measured beside it, and the HostSpec's
     ``source`` says how close to it the update comes for the bytes its path moves. That choice is timed on an idle
     host; the speeds the planner prices a step with (the update, the gradient sums and norms) are then timed as a step
-    runs them: beside the training thread (``beside_training``), on the threads the host updater gives them."""
+    runs them: beside the training thread (``beside_training``), on the threads the host updater gives them. Where
+    a run on this host kept its worker's rate in training (``profiler.host_rate``; ``in_backward``: of updates inside
+    the last backward), the update is priced at that instead."""
     elems = elems or update_elems()
     kinds = ["torch", "deepspeed"] if kind == "auto" and adam_mode(basic) is not None else [kind if kind != "auto" else "torch"]
     best = None
@@ -290,7 +293,7 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: O
     source = (f"measured on {device.type} beside a training-like thread; the update alone {best[0] / 1e9:.2f} G "
               f"elements/s, {bandwidth_note(best[0], best[3], bandwidth, grad_dtypes[0].itemsize)}")
     kept, path = host_rate.load(cache_dir, host_rate.key(device.type, comm.local_world_size(), best[1], best[4],
-                                                         str(grad_dtypes[0])))
+                                                         str(grad_dtypes[0]), in_backward))
     if kept is not None:  # what the last run's worker on this host ran in training, not the stand-in's timing
         source = (f"the update at {kept / 1e9:.2f} G elements/s, as the last run on this host ran it in training "
                   f"({path}); {rate / 1e9:.2f} at start-up, " + source)

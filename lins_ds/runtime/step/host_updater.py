@@ -102,6 +102,7 @@ class HostUpdater:
         self.waited_s = 0.0  # how long the main thread has blocked on host updates, in total (exposed host work)
         self.ahead_hyperparameters: Optional[list] = None  # what the updates inside the last backward took
         self._t0, self._backward_end = 0.0, None  # the worker's start; inside the last backward, that backward's end
+        self._in_backward = False  # the last worker started inside the window's last backward
         self._ready_at: dict = {}  # unit name -> (its gradient final, ready for the worker), s after ``_t0``
         self.last_timeline: dict = {}  # the worker's last step, unit by unit (``timeline``)
 
@@ -115,7 +116,8 @@ class HostUpdater:
     def rate_key(self) -> dict:
         """What the worker's update rate depends on besides the host (``profiler.host_rate.key``'s optimizer part)."""
         grad = next((s.grad.dtype for _, slices in self.by_unit for s in slices), None)
-        return {"optimizer": self.opt.name, "threads": self.opt.threads, "grad_dtype": str(grad)}
+        return {"optimizer": self.opt.name, "threads": self.opt.threads, "grad_dtype": str(grad),
+                "in_backward": self._in_backward}
 
     def nbytes(self) -> int:
         """Host bytes of the offloaded state: masters, their optimizer state, the gradient and parameter copies."""
@@ -155,7 +157,7 @@ class HostUpdater:
             unit.begin_host_update(ticket)
         self._interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
-        self._t0, self._backward_end, self._ready_at = time.perf_counter(), None, {}
+        self._t0, self._backward_end, self._ready_at, self._in_backward = time.perf_counter(), None, {}, False
         self._thread = threading.Thread(target=self._run, args=(events, hyper), name="lins-host-update", daemon=True)
         self._thread.start()
 
@@ -170,7 +172,7 @@ class HostUpdater:
         self._arrivals, self._delivered = queue.Queue(), 0
         self._interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
-        self._t0, self._backward_end, self._ready_at = time.perf_counter(), None, {}
+        self._t0, self._backward_end, self._ready_at, self._in_backward = time.perf_counter(), None, {}, True
         self._thread = threading.Thread(target=self._work, args=(self._ahead(coef), self.ahead_hyperparameters),
                                         name="lins-host-update", daemon=True)
         self._thread.start()
