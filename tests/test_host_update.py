@@ -383,3 +383,28 @@ def test_the_worker_updates_a_unit_that_is_ready_before_waiting_for_the_next_for
     out = timeline(rows, up._t0 + 0.002, up._t0)
     assert out["backward_end_ms"] == 2.0 and [r[0] for r in out["units"]] == list("bdca")
     assert out["units"][2][2] >= 50.0  # c was ready only when the host had added it up
+
+
+# --- the block loop as one TorchScript call -----------------------------------------------------------------------
+def test_the_block_loop_runs_scripted_and_a_compiler_that_changes_the_bits_is_not_used(monkeypatch):
+    """The blocked update's loop runs as one TorchScript call (no GIL hand-over per op; the bitwise tests above run
+    through it). A compiled loop that does not give the Python loop's bits (here one that drops the kernel, as
+    TorchScript dropped it while no one read the lists it wrote) is not used: the same loop runs as Python."""
+    from lins_ds.runtime.step import host_blocks
+
+    assert host_blocks.scripted() is not None  # this torch scripts it, and it passed the bit check
+
+    def dropped(p, g_in, m, v, vmax, up, scratch, steps, coef, block, decoupled, lr, beta1, beta2, wd, eps, ams, mx):
+        if up is not None:
+            up.copy_(p)
+
+    monkeypatch.setattr(host_blocks, "_compiled", [])
+    monkeypatch.setattr(host_blocks.torch.jit, "script", lambda fn: dropped)
+    assert host_blocks.scripted() is None
+    calls = []
+    real = host_blocks._loop
+    monkeypatch.setattr(host_blocks, "_loop", lambda *a: (calls.append(1), real(*a)))
+    p = torch.zeros(8)
+    host_blocks.fused_blocks(p, torch.ones(8, dtype=torch.bfloat16), torch.zeros(8), torch.zeros(8), None, None,
+                             torch.empty(8), [torch.ones(())], 1.0, 4, True, 0.1, 0.9, 0.999, 0.0, 1e-8, False, False)
+    assert calls == [1] and not torch.equal(p, torch.zeros(8))  # the Python loop updated

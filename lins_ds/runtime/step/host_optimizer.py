@@ -27,6 +27,7 @@ from ...plan.host_update import BLOCKS, PIECE, achieved_fraction, bytes_per_elem
 from ...plan.offload import HostSpec
 from ...profiler import host_bandwidth, host_rate
 from ..errors import LinsConfigError
+from .host_blocks import fused_blocks
 from .host_memory import HOST_PIECE, SWITCH_INTERVAL_S, host_empty, host_threads, intra_op_threads, square_sum
 
 PREFER_DEEPSPEED = 1.25  # "auto" takes DeepSpeedCPUAdam only this much faster than torch's: it holds the GIL
@@ -219,22 +220,14 @@ class HostOptimizer:
         state = self._fused_state(master, group)
         # a group's own mode first, as torch's Adam.step reads it (AdamW's groups carry True unless set otherwise)
         decoupled = group.get("decoupled_weight_decay", isinstance(self.opt, torch.optim.AdamW))
-        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         beta1, beta2 = group["betas"]
         lr = group["lr"]  # a tensor LR on another device goes where the kernel runs, as torch's _fused_adam moves it
         lr = lr.to("cpu") if torch.is_tensor(lr) and lr.device.type != "cpu" else lr
-        hyper = dict(amsgrad=group["amsgrad"], lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2),
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
-        p, g_in = master.detach().view(-1), grad.reshape(-1)
-        m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
         vmax = state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
-        steps = [state["step"]]
-        for a in range(0, p.numel(), self.block):
-            b = min(p.numel(), a + self.block)
-            g = _scaled(scratch[:b - a], g_in[a:b], coef)
-            kernel([p[a:b]], [g], [m[a:b]], [v[a:b]], [vmax[a:b]] if vmax is not None else [], steps, **hyper)
-            if up is not None:
-                up[a:b].copy_(p[a:b])
+        fused_blocks(master.detach().view(-1), grad.reshape(-1), state["exp_avg"].view(-1),
+                     state["exp_avg_sq"].view(-1), vmax, up, scratch, [state["step"]], coef, self.block, decoupled,
+                     lr, _scalar(beta1), _scalar(beta2), group["weight_decay"], group["eps"], group["amsgrad"],
+                     group.get("maximize", False))
 
 
 def _scaled(dst: torch.Tensor, src: torch.Tensor, coef: float) -> torch.Tensor:
