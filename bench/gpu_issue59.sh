@@ -15,7 +15,7 @@
 #  q3-old  main's tree, Lins at 40 GiB, clipping 0 then 1 (gpu_offload.sh noclip from /tmp/old).
 #  q3-z2   ZeRO-2 Offload alone (clipping 1, 0); q3-tiled: Lins at 40 GiB with the logits and loss in 8 tiles
 #          (lins.tiling: the memory the head frees keeps more units' optimizer state on the GPU).
-#  l3, l3-old   the same on the 2.9B LLaMA (bench/models/llama-2.9b.json).
+#  l3, l3-old   the same on the 2.9B LLaMA (bench/models/llama-2.9b.json); l3-lins, l3-z2 as q3-lins, q3-z2.
 #  q14     Qwen2.5-14B widths (bench/models/hub-qwen2.5-14b.json) on an H200 + at most 118 GiB of host, seq 4096, mb 1,
 #          the solver's plan, one run per GAS:CLIP of Q14_RUNS (gpu_offload.sh q14; "16:1 16:0"). ~200-300 s a run.
 # Writes $OUT/host_update.{json,txt} and $OUT/<part>/issue26_*.tar.gz (gpu_offload.sh's archive of JSONs and logs).
@@ -54,6 +54,8 @@ for part in ${PARTS:-bench q3 q3-old}; do
   q3-old) want q3-old 140 && offload /tmp/old $Q3 q3old noclip ;;
   l3) want l3 300 && offload "$NEW" $L3 l3 noclip noclip-ds noclip-fp ;;
   l3-old) want l3-old 140 && offload /tmp/old $L3 l3old noclip ;;
+  l3-lins) want l3-lins 150 && offload "$NEW" $L3 l3 noclip ;;  # Lins alone, clipping 0 and 1
+  l3-z2) want l3-z2 90 && offload "$NEW" $L3 l3 noclip-ds ;;  # ZeRO-2 Offload, clipping 1 and 0, on this machine
   q14) want q14 200 && offload "$NEW" $L3 q14 q14 ;;  # the 14B on an H200 (gpu_offload.sh q14: Q14_RUNS, HOST_GB)
   *) echo "unknown part $part" ;;
   esac
