@@ -384,7 +384,8 @@ def summarize(args, engine, losses, times, phases, startup: dict, cuda: bool) ->
     return {
         "config": os.path.basename(str(args.deepspeed_config)), "model": args.model,
         "world_size": dist.get_world_size(), "gpus_per_node": args.gpus_per_node, "seq_len": args.seq_len,
-        "samples_per_gpu_per_step": samples, "steps": args.steps, "warmup_steps": args.warmup_steps,
+        "samples_per_gpu_per_step": samples, "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+        "grad_accum": engine.gradient_accumulation_steps(), "steps": args.steps, "warmup_steps": args.warmup_steps,
         "median_step_s": step_s,
         "hf_checkpointing": bool(args.checkpointing),  # --checkpointing: every layer recomputed (any mode)
         "tokens_per_gpu_s": tokens_per_gpu_s, **startup,

@@ -1,6 +1,7 @@
 """The benchmark (``python -m bench``) end to end on CPU: shipped configs side by side, JSON and PNG out."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -177,3 +178,26 @@ def test_the_long_context_plot_reads_each_mode_s_runs_and_out_of_memory_ends(tmp
     assert set(out["runs"]["alst"]) == {"65536"} and out["runs"]["plain"]["32768"] == {"result": "out of memory"}
     assert set(out["runs"]["lins"]) == {"65536", "131072"}
     assert (tmp_path / "tokens_per_s.png").stat().st_size > 0
+
+
+def test_reprice_host_rebuilds_the_start_ups_price_of_a_run(tmp_path, capsys, monkeypatch):
+    """``bench.reprice_host`` prices a GPU run's exposed host time as its start-up did (the logged prediction, from the
+    run's plan, log and model) and again at the rate its host worker ran: the check that what it reports is the
+    solver's price, not another formula."""
+    import shutil
+
+    from bench import reprice_host
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)  # the runs name their model by its path in the repository
+    src = os.path.join(root, "bench", "results", "offload", "rate_h100", "l3")
+    for name in ("l3_lins_fp_clip1", "l3_lins_40_clip0"):
+        for ext in (".json", ".log"):
+            shutil.copy(os.path.join(src, name + ext), tmp_path)
+    reprice_host.main([str(tmp_path), "l3_lins_fp_clip1", "l3_lins_40_clip0"])
+    rows = json.load(open(tmp_path / "reprice_host.json"))
+    assert [r["in_backward"] for r in rows] == [False, True]
+    for r in rows:
+        assert abs(r["at_start_up_s"] - r["logged_s"]) <= 0.01 * r["logged_s"] + 1e-3, r
+        assert r["worker_rate"] > 0 and r["at_worker_s"] > 0
+    assert "| l3_lins_fp_clip1 | after the step |" in capsys.readouterr().out

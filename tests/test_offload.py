@@ -807,8 +807,8 @@ def test_the_host_time_steps_waited_is_said_next_to_the_start_up_s_prediction():
 def test_the_host_updates_rate_in_training_is_kept_for_the_next_start_up(tmp_path, monkeypatch):
     """Rank 0 keeps the rate its worker updated at in steps 3-5 (``profiler.host_rate``), and the next start-up on
     this host prices the update at it instead of its own timing beside a stand-in thread (which gave 2.5-3.7 G
-    elements/s on an H100's host where the workers ran 2.0-3.3). Another host, optimizer, thread count or gradient
-    dtype is another key, and so are updates inside the last backward (1.97-2.12 G elements/s there, 2.63-3.32
+    elements/s on an H100's host where the workers ran 1.9-3.3). Another host, optimizer, thread count or gradient
+    dtype is another key, and so are updates inside the last backward (1.92-2.14 G elements/s there, 2.63-3.28
     after the step); a run that updated fewer elements than the start-up times, or a damaged file, keeps or gives
     nothing."""
     import threading

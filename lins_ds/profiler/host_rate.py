@@ -25,7 +25,7 @@ PREFIX = "host-update-rate"
 def key(device_type: str, ranks_per_node: int, optimizer: str, threads: int, grad_dtype: str,
         in_backward: bool) -> dict:
     """``in_backward``: the updates ran inside the window's last backward (``gradient_clipping`` 0), beside the
-    backward's host work, not after the step: on one H100 host 1.97-2.12 G elements/s against 2.63-3.32."""
+    backward's host work, not after the step: on one H100 host 1.92-2.14 G elements/s against 2.63-3.28."""
     return {**host_bandwidth.host_key(ranks_per_node), "device": device_type, "optimizer": optimizer,
             "update_threads": int(threads), "grad_dtype": str(grad_dtype), "in_backward": bool(in_backward)}
 
