@@ -6,6 +6,7 @@ import json
 import math
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -306,9 +307,10 @@ def test_the_updater_runs_each_update_on_the_optimizers_threads():
 
     updater = HostUpdater.__new__(HostUpdater)  # only what the worker reads
     updater.opt, updater.coef, updater._lane = Opt(), torch.ones(1), host_memory.PinnedHost(torch.device("cpu")).lane()
-    updater.by_unit = [(_Unit("u0"), ["slice"]), (_Unit("u1"), ["slice"])]
+    piece = SimpleNamespace(master=SimpleNamespace(param=torch.zeros(4)))
+    updater.by_unit = [(_Unit("u0"), [piece]), (_Unit("u1"), [piece])]
     updater._error, updater._interval = None, 0.005
-    updater._t0, updater._backward_end, updater._ready_at = 0.0, None, {}
+    updater._t0, updater._backward_end, updater._ready_at, updater.updated = 0.0, None, {}, [0, 0.0]
     updater._tickets = [HostTicket(updater, "u0"), HostTicket(updater, "u1")]
     seen = []
     updater._update = lambda s, coef, hyper: seen.append(torch.get_num_threads())
@@ -319,6 +321,7 @@ def test_the_updater_runs_each_update_on_the_optimizers_threads():
     assert updater._error is None and all(tk.ready() for tk in updater._tickets)
     assert [row[0] for row in updater.last_timeline["units"]] == ["u0", "u1"]  # after the step: no backward's end
     assert updater.last_timeline["backward_end_ms"] is None
+    assert updater.updated[0] == 8 and updater.updated[1] >= 0  # the elements and seconds every worker updated
     assert seen == ([1, 1] if host_memory.per_thread_counts() else [torch.get_num_threads()] * 2)
     master = torch.nn.Parameter(torch.zeros(8))
     opt = HostOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), [[master]], "torch",

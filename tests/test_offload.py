@@ -792,9 +792,10 @@ def test_the_host_time_steps_waited_is_said_next_to_the_start_up_s_prediction():
     assert "G elements/s in training, start-up priced" in solved[0], solved
     assert len(fixed) == 1 and " vs predicted " not in fixed[0], fixed
     report = HostTimeReport()
-    stats = {"waited_s": 1.0, "instance": "a", "worker_spent_s": {"update": 0.5}, "worker_elems": 10**9}
+    stats = {"waited_s": 1.0, "instance": "a", "worker_updated": [10**9, 0.5]}
     assert report.after_step(2, stats, 0.4, 4e9) is None
-    said = report.after_step(5, {**stats, "waited_s": 2.5}, 0.4, 4e9)
+    # the workers in between updated 3 G elements in 1.5 s (their rate, not the last one's alone)
+    said = report.after_step(5, {**stats, "waited_s": 2.5, "worker_updated": [4 * 10**9, 2.0]}, 0.4, 4e9)
     assert said == ("lins host time: steps 3-5 waited 0.500 s a step for the host vs predicted 0.400 s, +25 %; the "
                     "host update ran 2.00 G elements/s in training, start-up priced 4.00")
     rebuilt = HostTimeReport()  # a re-layout between the steps built another offload: nothing to compare
@@ -838,10 +839,11 @@ def test_the_host_updates_rate_in_training_is_kept_for_the_next_start_up(tmp_pat
     monkeypatch.setattr("lins_ds.comm.local_world_size", lambda: 1)
     planner = Planner.__new__(Planner)
     planner.cfg, planner._host_report = SimpleNamespace(profile_cache=str(tmp_path / "kept")), HostTimeReport()
-    stats = {"waited_s": 1.0, "instance": "a", "worker_spent_s": {"update": 1.0},
+    stats = {"waited_s": 1.0, "instance": "a", "worker_updated": [0, 0.0],
              "worker_elems": host_optimizer.update_elems(),
              "update_key": {"optimizer": name, "threads": threads, "grad_dtype": dtype, "in_backward": False}}
     planner._host_report.after_step(2, stats, 0.4, 4e9)
+    stats["worker_updated"] = [3 * stats["worker_elems"], 3.0]
     planner._host_report.after_step(5, stats, 0.4, 4e9)
     said = planner._keep_host_rate(torch.device("cpu"), stats)
     kept, kept_path = host_rate.load(str(tmp_path / "kept"), k)

@@ -29,13 +29,14 @@ class HostTimeReport:
         if stats is None:
             return None
         if step == FROM_STEP:
-            self._mark = (stats["waited_s"], stats["instance"])
+            self._mark = (stats["waited_s"], stats["instance"], stats["worker_updated"])
             return None
         if step != TO_STEP or self._mark is None or self._mark[1] != stats["instance"]:
             return None
         waited = (stats["waited_s"] - self._mark[0]) / (TO_STEP - FROM_STEP)
-        update_s = stats["worker_spent_s"].get("update", 0.0)  # {} before the worker's first update
-        rate = stats["worker_elems"] / update_s if update_s > 0 else None
+        # the workers that finished between the two steps (those of steps 2-4 or 3-5, by when each ends)
+        elems, update_s = (now - then for now, then in zip(stats["worker_updated"], self._mark[2]))
+        rate = elems / update_s if update_s > 0 else None
         self.rate = rate
         return host_time_note(waited, predicted_s, rate, priced_elems_per_s)
 
@@ -43,7 +44,7 @@ class HostTimeReport:
 def host_time_note(waited_s: float, predicted_s: Optional[float], rate: Optional[float],
                    priced: Optional[float]) -> str:
     """``lins host time:`` the mean wait of steps FROM_STEP+1..TO_STEP against the start-up's prediction (where the
-    running plan is the one it priced), and the worker's update rate in its last step against the start-up's."""
+    running plan is the one it priced), and the worker's update rate over those steps against the start-up's."""
     msg = f"lins host time: steps {FROM_STEP + 1}-{TO_STEP} waited {waited_s:.3f} s a step for the host"
     if predicted_s is not None:
         diff = f", {100 * (waited_s / predicted_s - 1):+.0f} %" if predicted_s >= PERCENT_FROM_S else ""

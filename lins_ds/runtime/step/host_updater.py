@@ -105,6 +105,7 @@ class HostUpdater:
         self._in_backward = False  # the last worker started inside the window's last backward
         self._ready_at: dict = {}  # unit name -> (its gradient final, ready for the worker), s after ``_t0``
         self.last_timeline: dict = {}  # the worker's last step, unit by unit (``timeline``)
+        self.updated = [0, 0.0]  # elements updated and seconds spent updating them, every finished worker so far
 
     def units(self) -> list:
         return [u for u, _ in self.by_unit]
@@ -257,7 +258,7 @@ class HostUpdater:
         until then), and launch its upload; the time spent, by what the worker waited on, in ``last_spent_s``."""
         t0 = time.perf_counter()
         spent = dict.fromkeys(("download", "update", "upload"), 0.0)  # the worker's time by what it waited on
-        rows = []  # unit by unit, s after ``_t0``: final, ready, updated
+        rows, elems = [], 0  # unit by unit, s after ``_t0``: final, ready, updated; the elements updated
         try:
             # on the optimizer's threads (host_memory.host_threads): a team one core short of this rank's cores, so
             # that the training thread beside it never holds up a parallel region
@@ -267,6 +268,7 @@ class HostUpdater:
                     t, spent["download"] = time.perf_counter(), spent["download"] + time.perf_counter() - t
                     for s in slices:
                         self._update(s, coef, hyper)
+                        elems += s.master.param.numel()
                     t, spent["update"] = time.perf_counter(), spent["update"] + time.perf_counter() - t
                     ticket.finish(self._upload(slices))
                     spent["upload"] += time.perf_counter() - t
@@ -278,6 +280,7 @@ class HostUpdater:
                 ticket.abandon()
         self.last_update_s, self.last_spent_s = time.perf_counter() - t0, spent
         self.last_timeline = timeline(rows, self._backward_end, self._t0)
+        self.updated = [self.updated[0] + elems, self.updated[1] + spent["update"]]
         sys.setswitchinterval(self._interval)
 
     def _update(self, s: HostSlice, coef: float, hyper: list) -> None:
