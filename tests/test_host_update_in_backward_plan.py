@@ -88,23 +88,6 @@ def test_hand_worked_schedule_behind_the_forward():
     assert exposed(TRAIN, 0.0) - exposed(TRAIN) == pytest.approx(12.0)
 
 
-def test_hand_worked_schedule_with_the_host_slower_while_the_backward_runs():
-    """As above, with the host's work taking twice as long while the backward runs (a rate kept from a run inside
-    it: ``HostSpec.backward_update_elems_per_s``). Unit 3 (4 s of work) from 2: 3 s of it by the backward's end at 8,
-    the last 1 s after: done at 9; unit 2 in [9, 17]. Forward from 8: root and unit 1 to 11, unit 2 waits to 17 and
-    ends 19, unit 3 ends 20: 20 - 14 = 6 s. After the step nothing runs beside the backward: 7 s, as before."""
-    layout = _layout(1, 1, 1)
-    place = Placement.of(2, HOST, HOST, HOST)
-    halved = replace(QUARTER, backward_update_elems_per_s=QUARTER.update_elems_per_s / 2)
-    assert halved.backward_slowdown() == 2.0 and QUARTER.backward_slowdown() == 1.0
-
-    def exposed(train):
-        return exposed_seconds(UNITS, place, layout, train, halved, 6.0, 1e9, backward_s=8.0)
-
-    assert exposed(IN_BACKWARD) == pytest.approx(6.0, abs=1e-9)
-    assert exposed(TRAIN) == pytest.approx(7.0, abs=1e-9)
-
-
 def test_hand_worked_schedule_with_the_hosts_last_sum_and_norm_before_each_update():
     """As above, with the host adding and norming 1 G elements/s: a unit's update follows its last micro-batch's sum
     and its norm (2 s per G elements), on the same cores and memory. Inside the backward: unit 3 in [2, 8] (6 s),

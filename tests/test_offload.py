@@ -792,24 +792,17 @@ def test_the_host_time_steps_waited_is_said_next_to_the_start_up_s_prediction():
     assert "G elements/s in training, start-up priced" in solved[0], solved
     assert len(fixed) == 1 and " vs predicted " not in fixed[0], fixed
     report = HostTimeReport()
-    stats = {"waited_s": 1.0, "instance": "a", "worker_updated": [10**9, 0.5], "worker_updated_in_backward": [0, 0]}
-    assert report.after_step(2, stats, 0.4, (4e9, None)) is None
+    stats = {"waited_s": 1.0, "instance": "a", "worker_updated": [10**9, 0.5]}
+    assert report.after_step(2, stats, 0.4, 4e9) is None
     # the workers in between updated 3 G elements in 1.5 s (their rate, not the last one's alone)
-    said = report.after_step(5, {**stats, "waited_s": 2.5, "worker_updated": [4 * 10**9, 2.0]}, 0.4, (4e9, None))
+    said = report.after_step(5, {**stats, "waited_s": 2.5, "worker_updated": [4 * 10**9, 2.0]}, 0.4, 4e9)
     assert said == ("lins host time: steps 3-5 waited 0.500 s a step for the host vs predicted 0.400 s, +25 %; the "
                     "host update ran 2.00 G elements/s in training, start-up priced 4.00")
-    assert report.rate == 2e9 and report.backward_rate is None
-    # updates inside the last backward: 1 G of the 3 G elements in 1 s of the 1.5 while it ran
-    inside = report.after_step(5, {**stats, "waited_s": 2.5, "worker_updated": [4 * 10**9, 2.0],
-                                   "worker_updated_in_backward": [10**9, 1.0]}, 0.4, (4e9, 2e9))
-    assert inside.endswith("the host update ran 4.00 G elements/s in training after the last backward and 1.00 while "
-                           "it ran, start-up priced 4.00 and 2.00 while it runs")
-    assert (report.rate, report.backward_rate) == (4e9, 1e9)
     rebuilt = HostTimeReport()  # a re-layout between the steps built another offload: nothing to compare
-    rebuilt.after_step(2, stats, 0.4, (4e9, None))
-    assert rebuilt.after_step(5, {**stats, "instance": "b"}, 0.4, (4e9, None)) is None
-    assert host_time_note(0.1, None, None) == "lins host time: steps 3-5 waited 0.100 s a step for the host"
-    assert host_time_note(0.1, 0.0, None).endswith("vs predicted 0.000 s")  # nothing predicted: no percentage
+    rebuilt.after_step(2, stats, 0.4, 4e9)
+    assert rebuilt.after_step(5, {**stats, "instance": "b"}, 0.4, 4e9) is None
+    assert host_time_note(0.1, None, None, None) == "lins host time: steps 3-5 waited 0.100 s a step for the host"
+    assert host_time_note(0.1, 0.0, None, None).endswith("vs predicted 0.000 s")  # nothing predicted: no percentage
 
 
 def test_the_host_updates_rate_in_training_is_kept_for_the_next_start_up(tmp_path, monkeypatch):
@@ -832,7 +825,7 @@ def test_the_host_updates_rate_in_training_is_kept_for_the_next_start_up(tmp_pat
     assert host_rate.load(str(tmp_path), k) == (None, host_rate.cache_path(k, str(tmp_path), host_rate.PREFIX))
     assert host_rate.save(str(tmp_path), k, 2.0e9, 10, min_elements=100) is None  # too few elements to say
     path = host_rate.save(str(tmp_path), k, 2.0e9, 100, min_elements=100)
-    assert host_rate.load(str(tmp_path), k) == ((2.0e9, None), path)
+    assert host_rate.load(str(tmp_path), k) == (2.0e9, path)
     for other in (host_rate.key("cuda", 1, name, threads, dtype, False),
                   host_rate.key("cpu", 2, name, threads, dtype, False),
                   host_rate.key("cpu", 1, "DeepSpeedCPUAdam (AdamW)", threads, dtype, False),
@@ -846,14 +839,14 @@ def test_the_host_updates_rate_in_training_is_kept_for_the_next_start_up(tmp_pat
     monkeypatch.setattr("lins_ds.comm.local_world_size", lambda: 1)
     planner = Planner.__new__(Planner)
     planner.cfg, planner._host_report = SimpleNamespace(profile_cache=str(tmp_path / "kept")), HostTimeReport()
-    stats = {"waited_s": 1.0, "instance": "a", "worker_updated": [0, 0.0], "worker_updated_in_backward": [0, 0.0],
+    stats = {"waited_s": 1.0, "instance": "a", "worker_updated": [0, 0.0],
              "worker_elems": host_optimizer.update_elems(),
              "update_key": {"optimizer": name, "threads": threads, "grad_dtype": dtype, "in_backward": False}}
-    planner._host_report.after_step(2, stats, 0.4, (4e9, None))
+    planner._host_report.after_step(2, stats, 0.4, 4e9)
     stats["worker_updated"] = [3 * stats["worker_elems"], 3.0]
-    planner._host_report.after_step(5, stats, 0.4, (4e9, None))
+    planner._host_report.after_step(5, stats, 0.4, 4e9)
     said = planner._keep_host_rate(torch.device("cpu"), stats)
-    (kept, _), kept_path = host_rate.load(str(tmp_path / "kept"), k)
+    kept, kept_path = host_rate.load(str(tmp_path / "kept"), k)
     assert kept == stats["worker_elems"] / 1.0 and said == f"; kept for this host's next start-up ({kept_path})"
     monkeypatch.setattr("lins_ds.comm.rank", lambda: 1)
     assert planner._keep_host_rate(torch.device("cpu"), stats) == ""  # rank 0's alone
@@ -870,14 +863,7 @@ def test_the_host_updates_rate_in_training_is_kept_for_the_next_start_up(tmp_pat
     basic = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
     host, _ = host_optimizer.measure(basic, "torch", torch.device("cpu"), 8.0, elems=1024,
                                      cache_dir=str(tmp_path / "kept"))
-    assert host.update_elems_per_s == kept and host.backward_update_elems_per_s is None
-    # a run whose updates started inside the last backward keeps both its rates, for that mode's start-ups
-    inside = host_rate.key("cpu", 1, name, threads, dtype, True)
-    host_rate.save(str(tmp_path / "kept"), inside, 3.0e9, 10**9, min_elements=1, backward_rate=1.5e9)
-    early, _ = host_optimizer.measure(basic, "torch", torch.device("cpu"), 8.0, elems=1024,
-                                      cache_dir=str(tmp_path / "kept"), in_backward=True)
-    assert (early.update_elems_per_s, early.backward_update_elems_per_s, early.backward_slowdown()) == (3e9, 1.5e9, 2)
-    assert early.source.startswith("the update at 3.00 G elements/s (1.50 while the last backward ran), as the last")
+    assert host.update_elems_per_s == kept
     assert host.source.startswith(f"the update at {kept / 1e9:.2f} G elements/s, as the last run on this host ran it "
                                   f"in training ({kept_path}); 2.20 at start-up, measured on cpu beside")
     with open(kept_path, "w") as f:

@@ -151,15 +151,6 @@ class HostSpec:
     accumulate_elems_per_s: float = 4.0e9  # the host's sum of a micro-batch's gradient into the G accumulator
     norm_elems_per_s: float = 2.0e9  # the host's pass over a G accumulator for its norm
     kind: str = "torch"  # the host optimizer that runs: "torch" or "deepspeed" (DeepSpeedCPUAdam)
-    # the update's rate while the window's last backward runs beside it (updates inside it: the training thread's
-    # Python and the host's gradient sums compete), where a run on this host kept it (``profiler.host_rate``); None:
-    # ``update_elems_per_s``
-    backward_update_elems_per_s: Optional[float] = None
-
-    def backward_slowdown(self) -> float:
-        """How many times longer the host's work on a unit takes while the last backward runs than after it."""
-        slow = self.backward_update_elems_per_s
-        return self.update_elems_per_s / slow if slow else 1.0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -428,8 +419,7 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
     final = [n / s_os * final_seconds_per_element(train, host) for n in off] if grads else [0.0] * len(off)
     if in_backward:  # each unit's last sum and norm, then its update: on the same cores and memory
         times = [t + f for t, f in zip(times, final)]
-        return updated_in_backward(units, times, forward_s, backward_s, hides_behind_forward(layout),
-                                   host.backward_slowdown()) + behind
+        return updated_in_backward(units, times, forward_s, backward_s, hides_behind_forward(layout)) + behind
     # after the step: the updates start once the host is done with the last backward's gradients
     late = max(0.0, host_final_done(units, final, backward_s) - backward_s) if grads and backward_s > 0 else 0.0
     if not hides_behind_forward(layout):
@@ -466,23 +456,20 @@ def host_final_done(units: list, final: list, backward_s: float) -> float:
     return free
 
 
-def updated_in_backward(units: list, times: list, forward_s: float, backward_s: float, hides: bool,
-                        slow: float = 1.0) -> float:
+def updated_in_backward(units: list, times: list, forward_s: float, backward_s: float, hides: bool) -> float:
     """What a step waits for the updates of the last ``len(times)`` units (each taking ``times[i]``) where each
     starts as its gradient is final in the window's last backward: one clock from that backward's start, the worker
     takes them one at a time, of those whose gradients are final the one the next forward needs first (the
     gradients become final last unit first, the root's last of all); the next forward starts when the backward
     ends, the resident units' first, and an offloaded unit's forward waits for its own update. ``hides`` False (a
-    P-sync follows every update, in ``step()``): the step waits for the last. ``slow``: the host's work takes this
-    many times longer while the backward runs (``HostSpec.backward_slowdown``)."""
+    P-sync follows every update, in ``step()``): the step waits for the last."""
     first = len(units) - len(times)
     final = gradient_final_seconds(units, backward_s)[first:]
     done, free, left = [0.0] * len(times), 0.0, set(range(len(times)))
     while left:
         free = max(free, min(final[i] for i in left))  # idle until a gradient is final
         i = min(j for j in left if final[j] <= free)  # forward order among those final
-        inside = max(0.0, backward_s - free) / slow  # of its work, what fits before the backward ends
-        free = free + times[i] * slow if times[i] <= inside else max(free, backward_s) + times[i] - inside
+        free += times[i]
         done[i] = free
         left.remove(i)
     if not hides:

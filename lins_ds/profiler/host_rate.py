@@ -30,37 +30,27 @@ def key(device_type: str, ranks_per_node: int, optimizer: str, threads: int, gra
             "update_threads": int(threads), "grad_dtype": str(grad_dtype), "in_backward": bool(in_backward)}
 
 
-def _rate(x) -> Optional[float]:
-    """A stored rate: a positive finite number, else None."""
-    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) and x > 0 else None
-
-
 def load(directory: Optional[str], this: dict) -> tuple:
-    """((the kept rate, the rate while the last backward ran or None) in elements per second, its file) for this
-    key, or (None, the file)."""
+    """(the kept rate in elements per second, its file) for this key, or (None, the file)."""
     path = cache_path(this, directory, PREFIX)
     try:
         with open(path) as f:
             stored = json.load(f)
-        rate = _rate(stored["update_elems_per_s"])
-        if stored.get("key") != this or rate is None:
+        rate = float(stored["update_elems_per_s"])
+        if stored.get("key") != this or not (math.isfinite(rate) and rate > 0):
             return None, path
-        return (rate, _rate(stored.get("backward_update_elems_per_s"))), path
+        return rate, path
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None, path
 
 
-def save(directory: Optional[str], this: dict, rate: float, elements: int, min_elements: int,
-         backward_rate: Optional[float] = None) -> Optional[str]:
-    """Keep ``rate`` (a run's worker, ``elements`` a step; where its updates started inside the last backward, the
-    rate after it, and ``backward_rate`` while it ran) for this key; the file written, or None where the run updated
-    fewer elements than the start-up times (``min_elements``: a few small units' state stays in the last-level cache,
-    and would flatter the rate) or the file could not be written (nothing depends on it)."""
-    if elements < min_elements or _rate(rate) is None:
+def save(directory: Optional[str], this: dict, rate: float, elements: int, min_elements: int) -> Optional[str]:
+    """Keep ``rate`` (a run's worker, ``elements`` a step) for this key; the file written, or None where the run
+    updated fewer elements than the start-up times (``min_elements``: a few small units' state stays in the
+    last-level cache, and would flatter the rate) or the file could not be written (nothing depends on it)."""
+    if elements < min_elements or not (math.isfinite(rate) and rate > 0):
         return None
     path = cache_path(this, directory, PREFIX)
-    failed = write_json_atomically(path, {"key": this, "update_elems_per_s": rate,
-                                          "backward_update_elems_per_s": _rate(backward_rate),
-                                          "elements": int(elements), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                          "pid": os.getpid()})
+    failed = write_json_atomically(path, {"key": this, "update_elems_per_s": rate, "elements": int(elements),
+                                          "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()})
     return None if failed is not None else path

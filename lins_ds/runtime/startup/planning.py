@@ -268,9 +268,7 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
     host = context.offload.host
     if not plan.placement.on_host or host is None:
         return ""
-    inside = (f" ({host.backward_update_elems_per_s / 1e9:.2f} while the last backward runs)"
-              if host.backward_update_elems_per_s and plan.host_update_in_backward else "")
-    return (f"\n  offload: host optimizer {host.optimizer}, {host.update_elems_per_s / 1e9:.2f} G elements/s{inside}; "
+    return (f"\n  offload: host optimizer {host.optimizer}, {host.update_elems_per_s / 1e9:.2f} G elements/s; "
             f"copies {host.h2d_gbs:.1f} GB/s up, {host.d2h_gbs:.1f} GB/s down"
             + (f", gradient sums {host.accumulate_elems_per_s / 1e9:.2f} and norms {host.norm_elems_per_s / 1e9:.2f} G "
                "elements/s" if plan.placement.offloads("g") else "")

@@ -287,15 +287,11 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: O
               f"elements/s, {bandwidth_note(best[0], best[3], bandwidth, grad_dtypes[0].itemsize)}")
     kept, path = host_rate.load(cache_dir, host_rate.key(device.type, comm.local_world_size(), best[1], best[4],
                                                          str(grad_dtypes[0]), in_backward))
-    backward = None
     if kept is not None:  # what the last run's worker on this host ran in training, not the stand-in's timing
-        (kept, backward) = kept
-        inside = f" ({backward / 1e9:.2f} while the last backward ran)" if backward else ""
-        source = (f"the update at {kept / 1e9:.2f} G elements/s{inside}, as the last run on this host ran it in "
-                  f"training ({path}); {rate / 1e9:.2f} at start-up, " + source)
+        source = (f"the update at {kept / 1e9:.2f} G elements/s, as the last run on this host ran it in training "
+                  f"({path}); {rate / 1e9:.2f} at start-up, " + source)
         rate = kept
-    return HostSpec(capacity_gb, rate, h2d, d2h, best[1], source, *accumulate,
-                    backward_update_elems_per_s=backward), best[2]
+    return HostSpec(capacity_gb, rate, h2d, d2h, best[1], source, *accumulate), best[2]
 
 
 STAND_IN = "lins-training-stand-in"  # the stand-in thread's name

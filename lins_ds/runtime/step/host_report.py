@@ -17,9 +17,7 @@ class HostTimeReport:
 
     def __init__(self):
         self._mark: Optional[tuple] = None
-        self.rate: Optional[float] = None  # the worker's update rate the line said (elements per second; with
-        # updates inside the last backward, after that backward)
-        self.backward_rate: Optional[float] = None  # ... while the last backward ran (None: none ran inside it)
+        self.rate: Optional[float] = None  # the worker's update rate the line said (elements per second)
 
     @staticmethod
     def wants(step: int) -> bool:
@@ -27,42 +25,32 @@ class HostTimeReport:
         return step in (FROM_STEP, TO_STEP)
 
     def after_step(self, step: int, stats: Optional[dict], predicted_s: Optional[float],
-                   priced: Optional[tuple]) -> Optional[str]:
-        """``priced``: the update rates the start-up priced with (after the last backward, while it runs or None)."""
+                   priced_elems_per_s: Optional[float]) -> Optional[str]:
         if stats is None:
             return None
         if step == FROM_STEP:
-            self._mark = (stats["waited_s"], stats["instance"], stats["worker_updated"],
-                          stats["worker_updated_in_backward"])
+            self._mark = (stats["waited_s"], stats["instance"], stats["worker_updated"])
             return None
         if step != TO_STEP or self._mark is None or self._mark[1] != stats["instance"]:
             return None
         waited = (stats["waited_s"] - self._mark[0]) / (TO_STEP - FROM_STEP)
         # the workers that finished between the two steps (those of steps 2-4 or 3-5, by when each ends)
         elems, update_s = (now - then for now, then in zip(stats["worker_updated"], self._mark[2]))
-        inside, inside_s = (now - then for now, then in zip(stats["worker_updated_in_backward"], self._mark[3]))
-        self.backward_rate = inside / inside_s if inside_s > 0 else None
-        after_s = update_s - inside_s
-        self.rate = ((elems - inside) / after_s if inside_s > 0 and after_s > 0 else
-                     elems / update_s if update_s > 0 else None)
-        return host_time_note(waited, predicted_s, self.rate, self.backward_rate, priced)
+        rate = elems / update_s if update_s > 0 else None
+        self.rate = rate
+        return host_time_note(waited, predicted_s, rate, priced_elems_per_s)
 
 
 def host_time_note(waited_s: float, predicted_s: Optional[float], rate: Optional[float],
-                   backward_rate: Optional[float] = None, priced: Optional[tuple] = None) -> str:
+                   priced: Optional[float]) -> str:
     """``lins host time:`` the mean wait of steps FROM_STEP+1..TO_STEP against the start-up's prediction (where the
-    running plan is the one it priced), and the worker's update rate over those steps (after the last backward and
-    while it ran, where the updates start inside it) against the start-up's."""
+    running plan is the one it priced), and the worker's update rate over those steps against the start-up's."""
     msg = f"lins host time: steps {FROM_STEP + 1}-{TO_STEP} waited {waited_s:.3f} s a step for the host"
     if predicted_s is not None:
         diff = f", {100 * (waited_s / predicted_s - 1):+.0f} %" if predicted_s >= PERCENT_FROM_S else ""
         msg += f" vs predicted {predicted_s:.3f} s{diff}"
     if rate is not None:
         msg += f"; the host update ran {rate / 1e9:.2f} G elements/s in training"
-        if backward_rate is not None:
-            msg += f" after the last backward and {backward_rate / 1e9:.2f} while it ran"
-        if priced and priced[0]:
-            msg += f", start-up priced {priced[0] / 1e9:.2f}"
-            if priced[1]:
-                msg += f" and {priced[1] / 1e9:.2f} while it runs"
+        if priced:
+            msg += f", start-up priced {priced / 1e9:.2f}"
     return msg

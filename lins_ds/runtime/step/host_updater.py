@@ -103,10 +103,9 @@ class HostUpdater:
         self.ahead_hyperparameters: Optional[list] = None  # what the updates inside the last backward took
         self._t0, self._backward_end = 0.0, None  # the worker's start; inside the last backward, that backward's end
         self._in_backward = False  # the last worker started inside the window's last backward
-        self._final_at: dict = {}  # unit name -> when the backward made its gradient final, s after ``_t0``
+        self._ready_at: dict = {}  # unit name -> (its gradient final, ready for the worker), s after ``_t0``
         self.last_timeline: dict = {}  # the worker's last step, unit by unit (``timeline``)
         self.updated = [0, 0.0]  # elements updated and seconds spent updating them, every finished worker so far
-        self.updated_in_backward = [0.0, 0.0]  # ... of them while the window's last backward ran (``_count``)
 
     def units(self) -> list:
         return [u for u, _ in self.by_unit]
@@ -159,7 +158,7 @@ class HostUpdater:
             unit.begin_host_update(ticket)
         self._interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
-        self._t0, self._backward_end, self._final_at, self._in_backward = time.perf_counter(), None, {}, False
+        self._t0, self._backward_end, self._ready_at, self._in_backward = time.perf_counter(), None, {}, False
         self._thread = threading.Thread(target=self._run, args=(events, hyper), name="lins-host-update", daemon=True)
         self._thread.start()
 
@@ -174,7 +173,7 @@ class HostUpdater:
         self._arrivals, self._delivered = queue.Queue(), 0
         self._interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
-        self._t0, self._backward_end, self._final_at, self._in_backward = time.perf_counter(), None, {}, True
+        self._t0, self._backward_end, self._ready_at, self._in_backward = time.perf_counter(), None, {}, True
         self._thread = threading.Thread(target=self._work, args=(self._ahead(coef), self.ahead_hyperparameters),
                                         name="lins-host-update", daemon=True)
         self._thread.start()
@@ -224,7 +223,7 @@ class HostUpdater:
             item = min(ready, key=lambda it: order[it[0]])
             came.remove(item)
             self._wait_ready(item)  # ready: returns at once (a failed host sum raises)
-            self._final_at[item[0].name] = item[3] - self._t0
+            self._ready_at[item[0].name] = (item[3] - self._t0, time.perf_counter() - self._t0)
             yield item[1], tickets[item[0]], coef
 
     def _is_ready(self, item) -> bool:
@@ -249,6 +248,7 @@ class HostUpdater:
         def units():
             for (unit, slices), ev, ticket in zip(self.by_unit, events, self._tickets):
                 ev.synchronize()
+                self._ready_at[unit.name] = (None, time.perf_counter() - self._t0)
                 yield slices, ticket, float(self.coef[0])
 
         self._work(units(), hyper)
@@ -258,50 +258,30 @@ class HostUpdater:
         until then), and launch its upload; the time spent, by what the worker waited on, in ``last_spent_s``."""
         t0 = time.perf_counter()
         spent = dict.fromkeys(("download", "update", "upload"), 0.0)  # the worker's time by what it waited on
-        rows, elems = [], 0  # unit by unit, s after ``_t0``: final, update begun and done, elements; their sum
+        rows, elems = [], 0  # unit by unit, s after ``_t0``: final, ready, updated; the elements updated
         try:
             # on the optimizer's threads (host_memory.host_threads): a team one core short of this rank's cores, so
             # that the training thread beside it never holds up a parallel region
             with self._lane.worker(), torch.no_grad(), intra_op_threads(self.opt.threads):
                 t = time.perf_counter()
                 for slices, ticket, coef in units:
-                    began = time.perf_counter()  # its gradient is there
-                    spent["download"] += began - t
-                    n = 0
+                    t, spent["download"] = time.perf_counter(), spent["download"] + time.perf_counter() - t
                     for s in slices:
                         self._update(s, coef, hyper)
-                        n += s.master.param.numel()
-                    t = time.perf_counter()
-                    spent["update"] += t - began
+                        elems += s.master.param.numel()
+                    t, spent["update"] = time.perf_counter(), spent["update"] + time.perf_counter() - t
                     ticket.finish(self._upload(slices))
                     spent["upload"] += time.perf_counter() - t
-                    rows.append((ticket.unit_name, self._final_at.get(ticket.unit_name), began - self._t0,
-                                 t - self._t0, n))
-                    elems += n
+                    rows.append((ticket.unit_name, *self._ready_at.get(ticket.unit_name, (None, None)), t - self._t0))
                     t = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - raised on every rank at the next step boundary (error())
             self._error = e
             for ticket in self._tickets:
                 ticket.abandon()
         self.last_update_s, self.last_spent_s = time.perf_counter() - t0, spent
-        self.last_timeline = timeline([r[:4] for r in rows], self._backward_end, self._t0)
-        self._count(rows, elems, spent["update"])
+        self.last_timeline = timeline(rows, self._backward_end, self._t0)
+        self.updated = [self.updated[0] + elems, self.updated[1] + spent["update"]]
         sys.setswitchinterval(self._interval)
-
-    def _count(self, rows: list, elems: int, update_s: float) -> None:
-        """Add this worker's elements and update seconds to ``updated``, and the share of them that ran while the
-        window's last backward did to ``updated_in_backward`` (a unit's elements split by the time before the
-        backward's end; every unit's where the worker finished first)."""
-        self.updated = [self.updated[0] + elems, self.updated[1] + update_s]
-        if not self._in_backward:
-            return
-        end = self._backward_end - self._t0 if self._backward_end is not None else float("inf")
-        e = s = 0.0
-        for _, _, began, done, n in rows:
-            inside = max(0.0, min(done, end) - began)
-            if done > began:
-                e, s = e + n * inside / (done - began), s + inside
-        self.updated_in_backward = [self.updated_in_backward[0] + e, self.updated_in_backward[1] + s]
 
     def _update(self, s: HostSlice, coef: float, hyper: list) -> None:
         update_piece(self.opt, s.master.param, s.grad, s.up, self._scratch, coef, hyper)
@@ -361,8 +341,8 @@ class HostUpdater:
 def timeline(rows: list, backward_end: Optional[float], t0: float) -> dict:
     """The worker's last step unit by unit, in the order it updated them, in ms from its start (the window's last
     backward's start where it updated inside it; else ``step()``): when the unit's gradient was final (inside the
-    backward), when the worker began its update (its gradient there), when the update was done; and when that
-    backward ended (None: after the step, or the worker was done first). What ``bench/train.py`` records to show where a step's host time went."""
+    backward), when it was there to update from, when its update was done; and when that backward ended (None: after
+    the step, or the worker was done first). What ``bench/train.py`` records to show where a step's host time went."""
     def ms(s):
         return None if s is None else round(1e3 * s, 1)
     return {"backward_end_ms": ms(None if backward_end is None else backward_end - t0),

@@ -274,7 +274,6 @@ class HostOffload:
                 "worker_spent_s": dict(up.last_spent_s) if up is not None else {},
                 "worker_elems": up.elements() if up is not None else 0,
                 "worker_updated": list(up.updated) if up is not None else [0, 0.0],
-                "worker_updated_in_backward": list(up.updated_in_backward) if up is not None else [0.0, 0.0],
                 "worker_timeline": dict(up.last_timeline) if up is not None else {},
                 "update_key": up.rate_key() if up is not None else None,
                 "host_optimizer": self.optimizer_name,

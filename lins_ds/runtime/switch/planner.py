@@ -137,18 +137,16 @@ class Planner:
             return ""
         path = host_rate.save(self.cfg.profile_cache, host_rate.key(device.type, comm.local_world_size(),
                                                                     **stats["update_key"]),
-                              rate, stats["worker_elems"], update_elems(), self._host_report.backward_rate)
+                              rate, stats["worker_elems"], update_elems())
         return f"; kept for this host's next start-up ({path})" if path else ""
 
     def _host_prediction(self, plan: Plan) -> tuple:
-        """(the exposed host time per step the start-up priced for ``plan``, the host update rates it priced with:
-        after the last backward and while it runs); None for what it did not price (a fixed plan, a plan the tuner
-        or a re-layout put in its place)."""
+        """(the exposed host time per step the start-up priced for ``plan``, the host update rate it priced with);
+        None for what it did not price (a fixed plan, a plan the tuner or a re-layout put in its place)."""
         ctx = self.context
         sol = ctx.solution if ctx is not None else None
-        host = ctx.offload.host if ctx is not None else None
         return ((sol.best.offload_s if sol is not None and sol.plan == plan else None),
-                (host.update_elems_per_s, host.backward_update_elems_per_s) if host is not None else None)
+                ctx.host_update_rate() if ctx is not None else None)
 
     # --- tuning's start ------------------------------------------------------------------------------------
     def _tune_start(self, plan: Plan, summary: str) -> tuple:
