@@ -56,6 +56,7 @@ for part in ${PARTS:-bench q3 q3-old}; do
   l3-old) want l3-old 140 && offload /tmp/old $L3 l3old noclip ;;
   l3-lins) want l3-lins 150 && offload "$NEW" $L3 l3 noclip ;;  # Lins alone, clipping 0 and 1
   l3-z2) want l3-z2 90 && offload "$NEW" $L3 l3 noclip-ds ;;  # ZeRO-2 Offload, clipping 1 and 0, on this machine
+  l3-z2c0) want l3-z2c0 90 && offload "$NEW" $L3 l3 noclip-ds0 ;;  # ZeRO-2 Offload without clipping alone
   q14) want q14 200 && offload "$NEW" $L3 q14 q14 ;;  # the 14B on an H200 (gpu_offload.sh q14: Q14_RUNS, HOST_GB)
   *) echo "unknown part $part" ;;
   esac

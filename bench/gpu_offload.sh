@@ -84,6 +84,9 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
     run ${P}_zero2_offload_clip1 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
     run ${P}_zero2_offload_clip0 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" \
       --ds-set gradient_clipping=0 ;;
+  noclip-ds0)  # ... ZeRO-2 Offload without clipping alone (a short device window)
+    run ${P}_zero2_offload_clip0 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" \
+      --ds-set gradient_clipping=0 ;;
   noclip-fp)  # ... and Lins at ZeRO-2 Offload's own footprint (its reserved peak, clip 1 run, + Lins' 2 GiB reserve;
     # FP=<GiB> where it ran in another call), the caching allocator capped at that peak (the card it plans for)
     fp=${FP:-$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['peak_reserved_gb'] + 2.0, 2))" \
