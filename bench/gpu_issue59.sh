@@ -57,6 +57,8 @@ for part in ${PARTS:-bench q3 q3-old}; do
   l3-lins) want l3-lins 150 && offload "$NEW" $L3 l3 noclip ;;  # Lins alone, clipping 0 and 1
   l3-z2) want l3-z2 90 && offload "$NEW" $L3 l3 noclip-ds ;;  # ZeRO-2 Offload, clipping 1 and 0, on this machine
   l3-z2c0) want l3-z2c0 90 && offload "$NEW" $L3 l3 noclip-ds0 ;;  # ZeRO-2 Offload without clipping alone
+  l3-c0) want l3-c0 80 && offload "$NEW" $L3 l3 noclip0 ;;  # Lins at 40 GiB without clipping alone
+  q3-c0) want q3-c0 80 && offload "$NEW" $Q3 q3 noclip0 ;;
   q14) want q14 200 && offload "$NEW" $L3 q14 q14 ;;  # the 14B on an H200 (gpu_offload.sh q14: Q14_RUNS, HOST_GB)
   *) echo "unknown part $part" ;;
   esac

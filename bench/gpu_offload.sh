@@ -80,6 +80,9 @@ b=min(r, key=lambda x: x['median_step_s']); print(round(b['peak_reserved_gb'] + 
       --ds-set gradient_clipping=0 "${L[@]}" "${LS[@]}"
     run ${P}_lins_40_clip1 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 "${L[@]}" \
       "${LS[@]}" ;;
+  noclip0)  # ... Lins at 40 GiB without clipping alone (a short device window)
+    run ${P}_lins_40_clip0 240 --deepspeed_config ds_configs/lins_offload.json "${B3[@]}" --lins-memory-gb 40 \
+      --ds-set gradient_clipping=0 "${L[@]}" "${LS[@]}" ;;
   noclip-ds)  # ... and DeepSpeed ZeRO-2 Offload with the same two settings
     run ${P}_zero2_offload_clip1 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}"
     run ${P}_zero2_offload_clip0 300 --deepspeed_config ds_configs/zero2_offload.json "${B3[@]}" \
