@@ -83,8 +83,9 @@ def _same_bits(loop) -> bool:
             v, vmax = v.abs(), vmax.abs()
             grad = torch.randn(n, generator=gen).to(torch.bfloat16)
             up = torch.empty(n, dtype=torch.bfloat16) if with_up else None
-            fn(p, grad, m, v, [vmax] if amsgrad else [], up, torch.empty(block), [torch.ones(())], 0.5, block,
-               decoupled, 1e-2, 0.9, 0.999, 0.01, 1e-8, amsgrad, False)
+            with _plain():  # as ``fused_blocks`` runs it
+                fn(p, grad, m, v, [vmax] if amsgrad else [], up, torch.empty(block), [torch.ones(())], 0.5, block,
+                   decoupled, 1e-2, 0.9, 0.999, 0.01, 1e-8, amsgrad, False)
             out.append([p, m, v, vmax] + ([up] if with_up else []))
         if not all(torch.equal(a, b) for a, b in zip(*out)):
             return False
@@ -96,7 +97,14 @@ def fused_blocks(p, g_in, m, v, vmax: Optional[torch.Tensor], up: Optional[torch
                  eps: float, amsgrad: bool, maximize: bool) -> None:
     """``_loop``, scripted where it can be (a float learning rate: the kernel's tensor-LR overload stays in Python)."""
     loop = scripted() if not torch.is_tensor(lr) else None
-    loop = loop if loop is not None else _loop
-    loop(p, g_in, m, v, [vmax] if vmax is not None else [], up, scratch, steps, float(coef), int(block), decoupled,
-         lr if torch.is_tensor(lr) else float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
-         bool(amsgrad), bool(maximize))
+    with _plain():
+        (loop or _loop)(p, g_in, m, v, [vmax] if vmax is not None else [], up, scratch, steps, float(coef),
+                        int(block), decoupled, lr if torch.is_tensor(lr) else float(lr), float(beta1), float(beta2),
+                        float(weight_decay), float(eps), bool(amsgrad), bool(maximize))
+
+
+def _plain():
+    """This thread's TorchScript calls run their graph as compiled, without the profiling executor's optimisation
+    (thread-local): it specialises a graph to the shapes it saw and compiles again when they change, and every piece
+    and block here has its own length; the loop's ops are whole kernels, which no graph optimisation speeds up."""
+    return torch.jit.optimized_execution(False)
