@@ -352,10 +352,16 @@ def host_gb(units: list, placement: Placement, s_os: int, train: TrainingSpec) -
 def unit_seconds(n: float, s_os: int, train: TrainingSpec, host: HostSpec, placement: Placement) -> float:
     """One offloaded unit of ``n`` parameters after the step: its gradient down (not with G on the host: it is
     there already), its host update and its parameters up (not with P on the host: they stay there)."""
+    down, up = unit_copies(n, s_os, train, host, placement)
+    return n / s_os / host.update_elems_per_s + down + up
+
+
+def unit_copies(n: float, s_os: int, train: TrainingSpec, host: HostSpec, placement: Placement) -> tuple:
+    """(down, up): one offloaded unit's gradient down and parameters up, in seconds; each runs on a copy lane of its
+    own, beside the host's updates of the other units."""
     per = n / s_os
-    down = 0.0 if placement.offloads("g") else per * train.grad_bytes / host.d2h_gbs / 1e9
-    up = 0.0 if placement.offloads("p") else per * train.param_bytes / host.h2d_gbs / 1e9
-    return per / host.update_elems_per_s + down + up
+    return (0.0 if placement.offloads("g") else per * train.grad_bytes / host.d2h_gbs / 1e9,
+            0.0 if placement.offloads("p") else per * train.param_bytes / host.h2d_gbs / 1e9)
 
 
 def upload_seconds(units: list, k: int, layout: Layout, train: TrainingSpec, host: HostSpec) -> float:
@@ -407,7 +413,8 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
     if not off:
         return 0.0
     s_os = layout.os.size
-    times = [unit_seconds(n, s_os, train, host, placement) for n in off]
+    times = [n / s_os / host.update_elems_per_s for n in off]  # the worker's; the copies on their lanes
+    downs, ups = zip(*(unit_copies(n, s_os, train, host, placement) for n in off))
     in_backward = train.host_update_in_backward and backward_s > 0
     grads = placement.offloads("g")
     # G on the host: with the last backward known, the host's work on each unit's final gradient is priced from
@@ -419,18 +426,25 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
     final = [n / s_os * final_seconds_per_element(train, host) for n in off] if grads else [0.0] * len(off)
     if in_backward:  # each unit's last sum and norm, then its update: on the same cores and memory
         times = [t + f for t, f in zip(times, final)]
-        return updated_in_backward(units, times, forward_s, backward_s, hides_behind_forward(layout)) + behind
-    # after the step: the updates start once the host is done with the last backward's gradients
+        return updated_in_backward(units, times, forward_s, backward_s, hides_behind_forward(layout), downs,
+                                   ups) + behind
+    # after the step, in forward order: the gradients down on their lane, each update once its gradient is down and
+    # the host is done with the last backward's gradients, each unit's parameters up on theirs once updated
     late = max(0.0, host_final_done(units, final, backward_s) - backward_s) if grads and backward_s > 0 else 0.0
+    down = up = 0.0
+    worker, ready = late, []
+    for d, upd, u in zip(downs, times, ups):
+        down += d
+        worker = max(worker, down) + upd
+        up = max(up, worker) + u
+        ready.append(up)
     if not hides_behind_forward(layout):
-        return late + sum(times) + behind
+        return up + behind
     total = sum(units)
     per_unit_fwd = [forward_s * n / total for n in units]
     t = sum(per_unit_fwd[:len(units) - k])  # the resident units' forward runs while the host works
-    done = late
-    for upd, fwd in zip(times, per_unit_fwd[len(units) - k:]):
-        done += upd
-        t = max(t, done) + fwd
+    for r, fwd in zip(ready, per_unit_fwd[len(units) - k:]):
+        t = max(t, r) + fwd
     return max(0.0, t - forward_s) + behind
 
 
@@ -456,24 +470,32 @@ def host_final_done(units: list, final: list, backward_s: float) -> float:
     return free
 
 
-def updated_in_backward(units: list, times: list, forward_s: float, backward_s: float, hides: bool) -> float:
-    """What a step waits for the updates of the last ``len(times)`` units (each taking ``times[i]``) where each
-    starts as its gradient is final in the window's last backward: one clock from that backward's start, the worker
-    takes them one at a time, of those whose gradients are final the one the next forward needs first (the
-    gradients become final last unit first, the root's last of all); the next forward starts when the backward
-    ends, the resident units' first, and an offloaded unit's forward waits for its own update. ``hides`` False (a
-    P-sync follows every update, in ``step()``): the step waits for the last."""
+def updated_in_backward(units: list, times: list, forward_s: float, backward_s: float, hides: bool,
+                        downs: Optional[tuple] = None, ups: Optional[tuple] = None) -> float:
+    """What a step waits for the updates of the last ``len(times)`` units (the worker's ``times[i]`` each) where each
+    starts as its gradient is final in the window's last backward and down (``downs[i]``, on a copy lane, in the
+    order they become final): one clock from that backward's start, the worker takes them one at a time, of those
+    whose gradients are down the one the next forward needs first (the gradients become final last unit first, the
+    root's last of all), and each unit's parameters go up on another lane once updated (``ups[i]``); the next
+    forward starts when the backward ends, the resident units' first, and an offloaded unit's forward waits for its
+    own upload. ``hides`` False (a P-sync follows every update, in ``step()``): the step waits for the last."""
     first = len(units) - len(times)
+    downs, ups = downs or [0.0] * len(times), ups or [0.0] * len(times)
     final = gradient_final_seconds(units, backward_s)[first:]
-    done, free, left = [0.0] * len(times), 0.0, set(range(len(times)))
+    here, lane = [0.0] * len(times), 0.0
+    for i in sorted(range(len(times)), key=lambda j: (final[j], -j)):  # last unit first
+        lane = max(lane, final[i]) + downs[i]
+        here[i] = lane
+    done, free, up, left = [0.0] * len(times), 0.0, 0.0, set(range(len(times)))
     while left:
-        free = max(free, min(final[i] for i in left))  # idle until a gradient is final
-        i = min(j for j in left if final[j] <= free)  # forward order among those final
+        free = max(free, min(here[i] for i in left))  # idle until a gradient is down
+        i = min(j for j in left if here[j] <= free)  # forward order among those down
         free += times[i]
-        done[i] = free
+        up = max(up, free) + ups[i]
+        done[i] = up
         left.remove(i)
     if not hides:
-        return max(0.0, free - backward_s)
+        return max(0.0, up - backward_s)
     total = sum(units)
     per_unit_fwd = [forward_s * n / total for n in units]
     t = backward_s + sum(per_unit_fwd[:first])
