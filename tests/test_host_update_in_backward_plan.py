@@ -88,6 +88,29 @@ def test_hand_worked_schedule_behind_the_forward():
     assert exposed(TRAIN, 0.0) - exposed(TRAIN) == pytest.approx(12.0)
 
 
+def test_updates_inside_the_backward_are_priced_at_the_rate_kept_for_that_mode():
+    """A host whose runs kept a slower rate for updates inside the last backward (``profiler.host_rate``) prices
+    those plans at it, the others at its after-step rate: at 0.125 G/s unit 3 in [2, 10], unit 2 in [10, 26]; the
+    forward from 8: unit 2 waits to 26, ends 28, unit 3 ends 29: 29 - 14 = 15 s. After the step: 7 s, as before."""
+    layout = _layout(1, 1, 1)
+    place = Placement.of(2, HOST, HOST, HOST)
+    kept = replace(QUARTER, in_backward_update_elems_per_s=0.125e9)
+    assert exposed_seconds(UNITS, place, layout, IN_BACKWARD, kept, 6.0, 1e9, backward_s=8.0) == pytest.approx(15.0)
+    assert exposed_seconds(UNITS, place, layout, TRAIN, kept, 6.0, 1e9, backward_s=8.0) == pytest.approx(7.0)
+
+
+def test_the_step_waits_for_the_hosts_last_sums_and_norms_in_both_modes():
+    """The step's gradient norm waits for the host's last sums and norms (G on the host), so nothing after the
+    backward hides them: updates as good as free, the host adding and norming 1 G elements/s, unit 3's in [2, 4],
+    unit 2's in [6, 10]: 2 s past the backward's end, exposed with the updates inside the backward or after it (the
+    resident units' forward does not hide it: it starts after the norm)."""
+    layout = _layout(1, 1, 1)
+    place = Placement.of(2, HOST, HOST, HOST)
+    free = replace(QUARTER, update_elems_per_s=1e24, accumulate_elems_per_s=1e9, norm_elems_per_s=1e9)
+    for train in (TRAIN, IN_BACKWARD):
+        assert exposed_seconds(UNITS, place, layout, train, free, 6.0, 1e9, backward_s=8.0) == pytest.approx(2.0)
+
+
 def test_hand_worked_schedule_with_the_hosts_last_sum_and_norm_before_each_update():
     """As above, with the host adding and norming 1 G elements/s: a unit's update follows its last micro-batch's sum
     and its norm (2 s per G elements), on the same cores and memory. Inside the backward: unit 3 in [2, 8] (6 s),

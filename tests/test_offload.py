@@ -863,11 +863,21 @@ def test_the_host_updates_rate_in_training_is_kept_for_the_next_start_up(tmp_pat
     basic = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
     host, _ = host_optimizer.measure(basic, "torch", torch.device("cpu"), 8.0, elems=1024,
                                      cache_dir=str(tmp_path / "kept"))
-    assert host.update_elems_per_s == kept
-    assert host.source.startswith(f"the update at {kept / 1e9:.2f} G elements/s, as the last run on this host ran it "
-                                  f"in training ({kept_path}); 2.20 at start-up, measured on cpu beside")
+    assert host.update_elems_per_s == kept and host.in_backward_update_elems_per_s is None
+    assert host.source.startswith(f"the update as the last runs on this host ran it in training: {kept / 1e9:.2f} G "
+                                  f"elements/s after the step ({kept_path}); 2.20 at start-up, measured on cpu beside")
+    # a run whose updates started inside the last backward keeps its rate under that mode: the solver prices the
+    # plans whose updates start there at it, the others at the after-step rate
+    inside = host.__class__  # HostSpec
+    path_in = host_rate.save(str(tmp_path / "kept"), host_rate.key("cpu", 1, name, threads, dtype, True), 1.5e9,
+                             10**9, min_elements=1)
+    host, _ = host_optimizer.measure(basic, "torch", torch.device("cpu"), 8.0, elems=1024,
+                                     cache_dir=str(tmp_path / "kept"))
+    assert (host.update_rate(False), host.update_rate(True)) == (kept, 1.5e9)
+    assert f"1.50 G elements/s inside the last backward ({path_in})" in host.source
+    assert inside(1.0, 2e9).update_rate(True) == 2e9  # none kept for that mode: the one rate
     with open(kept_path, "w") as f:
         f.write("{not json")
     host, _ = host_optimizer.measure(basic, "torch", torch.device("cpu"), 8.0, elems=1024,
                                      cache_dir=str(tmp_path / "kept"))
-    assert host.update_elems_per_s == 2.2e9 and host.source.startswith("measured on cpu")
+    assert host.update_elems_per_s == 2.2e9 and host.in_backward_update_elems_per_s == 1.5e9

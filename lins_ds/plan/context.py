@@ -120,9 +120,10 @@ class SolveContext:
     solution: object = None  # the Solution it gave (every feasible plan: the tuner's candidates)
     compute_note: str = ""  # ``compute_note``'s words: the start-up summary's
 
-    def host_update_rate(self) -> Optional[float]:
-        """The host update's elements per second this context prices offload with (None: it has no host)."""
-        return self.offload.host.update_elems_per_s if self.offload.host is not None else None
+    def host_update_rate(self, in_backward: bool = False) -> Optional[float]:
+        """The host update's elements per second this context prices offload with, with the updates inside the last
+        backward or after the step (None: it has no host)."""
+        return self.offload.host.update_rate(in_backward) if self.offload.host is not None else None
 
     def solve(self, capacity_gb: Optional[float] = None):
         mem = self.mem if capacity_gb is None else MemorySpec(capacity_gb, self.mem.reserved_gb, self.mem.fragmentation)

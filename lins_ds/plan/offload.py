@@ -151,6 +151,14 @@ class HostSpec:
     accumulate_elems_per_s: float = 4.0e9  # the host's sum of a micro-batch's gradient into the G accumulator
     norm_elems_per_s: float = 2.0e9  # the host's pass over a G accumulator for its norm
     kind: str = "torch"  # the host optimizer that runs: "torch" or "deepspeed" (DeepSpeedCPUAdam)
+    # the update's rate where it starts inside the window's last backward, where a run on this host kept it
+    # (``profiler.host_rate``: it ran slower there); None: ``update_elems_per_s``
+    in_backward_update_elems_per_s: Optional[float] = None
+
+    def update_rate(self, in_backward: bool) -> float:
+        """The update's elements per second with the updates inside the last backward or after the step."""
+        return (self.in_backward_update_elems_per_s or self.update_elems_per_s) if in_backward \
+            else self.update_elems_per_s
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -413,9 +421,9 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
     if not off:
         return 0.0
     s_os = layout.os.size
-    times = [n / s_os / host.update_elems_per_s for n in off]  # the worker's; the copies on their lanes
-    downs, ups = zip(*(unit_copies(n, s_os, train, host, placement) for n in off))
     in_backward = train.host_update_in_backward and backward_s > 0
+    times = [n / s_os / host.update_rate(in_backward) for n in off]  # the worker's; the copies on their lanes
+    downs, ups = zip(*(unit_copies(n, s_os, train, host, placement) for n in off))
     grads = placement.offloads("g")
     # G on the host: with the last backward known, the host's work on each unit's final gradient is priced from
     # when the unit is final (``final_seconds_per_element``); the window's other sums beside its compute
@@ -424,28 +432,28 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
     if placement.offloads("p"):
         behind += max(0.0, upload_seconds(units, k, layout, train, host) - behind_s)
     final = [n / s_os * final_seconds_per_element(train, host) for n in off] if grads else [0.0] * len(off)
+    # the step's gradient norm waits for the host's last sums and norms: nothing after the backward starts before
+    late = max(0.0, host_final_done(units, final, backward_s) - backward_s) if grads and backward_s > 0 else 0.0
     if in_backward:  # each unit's last sum and norm, then its update: on the same cores and memory
         times = [t + f for t, f in zip(times, final)]
         return updated_in_backward(units, times, forward_s, backward_s, hides_behind_forward(layout), downs,
-                                   ups) + behind
-    # after the step, in forward order: the gradients down on their lane, each update once its gradient is down and
-    # the host is done with the last backward's gradients, each unit's parameters up on theirs once updated
-    late = max(0.0, host_final_done(units, final, backward_s) - backward_s) if grads and backward_s > 0 else 0.0
-    down = up = 0.0
-    worker, ready = late, []
+                                   ups, late) + behind
+    # after the step, in forward order: the gradients down on the step's lane, each update once its gradient is down,
+    # each unit's parameters up on the same lane once updated (behind every download)
+    arrived, worker, up, ready = 0.0, 0.0, sum(downs), []
     for d, upd, u in zip(downs, times, ups):
-        down += d
-        worker = max(worker, down) + upd
+        arrived += d
+        worker = max(worker, arrived) + upd
         up = max(up, worker) + u
         ready.append(up)
     if not hides_behind_forward(layout):
-        return up + behind
+        return late + up + behind
     total = sum(units)
     per_unit_fwd = [forward_s * n / total for n in units]
     t = sum(per_unit_fwd[:len(units) - k])  # the resident units' forward runs while the host works
     for r, fwd in zip(ready, per_unit_fwd[len(units) - k:]):
         t = max(t, r) + fwd
-    return max(0.0, t - forward_s) + behind
+    return late + max(0.0, t - forward_s) + behind
 
 
 def gradient_final_seconds(units: list, backward_s: float) -> list:
@@ -471,14 +479,15 @@ def host_final_done(units: list, final: list, backward_s: float) -> float:
 
 
 def updated_in_backward(units: list, times: list, forward_s: float, backward_s: float, hides: bool,
-                        downs: Optional[tuple] = None, ups: Optional[tuple] = None) -> float:
+                        downs: Optional[tuple] = None, ups: Optional[tuple] = None, late: float = 0.0) -> float:
     """What a step waits for the updates of the last ``len(times)`` units (the worker's ``times[i]`` each) where each
     starts as its gradient is final in the window's last backward and down (``downs[i]``, on a copy lane, in the
     order they become final): one clock from that backward's start, the worker takes them one at a time, of those
     whose gradients are down the one the next forward needs first (the gradients become final last unit first, the
     root's last of all), and each unit's parameters go up on another lane once updated (``ups[i]``); the next
-    forward starts when the backward ends, the resident units' first, and an offloaded unit's forward waits for its
-    own upload. ``hides`` False (a P-sync follows every update, in ``step()``): the step waits for the last."""
+    forward starts when the backward ends (``late`` after it: the step waits for the host's last sums and norms), the
+    resident units' first, and an offloaded unit's forward waits for its own upload. ``hides`` False (a P-sync
+    follows every update, in ``step()``): the step waits for the last."""
     first = len(units) - len(times)
     downs, ups = downs or [0.0] * len(times), ups or [0.0] * len(times)
     final = gradient_final_seconds(units, backward_s)[first:]
@@ -495,10 +504,10 @@ def updated_in_backward(units: list, times: list, forward_s: float, backward_s: 
         done[i] = up
         left.remove(i)
     if not hides:
-        return max(0.0, up - backward_s)
+        return max(late, up - backward_s)
     total = sum(units)
     per_unit_fwd = [forward_s * n / total for n in units]
-    t = backward_s + sum(per_unit_fwd[:first])
+    t = backward_s + late + sum(per_unit_fwd[:first])
     for upd, fwd in zip(done, per_unit_fwd[first:]):
         t = max(t, upd) + fwd
     return max(0.0, t - (backward_s + forward_s))

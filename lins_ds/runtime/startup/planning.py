@@ -182,9 +182,8 @@ class HostProbe:
     it chose (a plan that offloads runs it: ``Plan.host_optimizer``)."""
 
     def __init__(self, basic, cfg: LinsConfig, device: torch.device, grad_dtypes: tuple = (torch.bfloat16,) * 2,
-                 given: Optional[HostSpec] = None, in_backward: bool = False):
+                 given: Optional[HostSpec] = None):
         self.basic, self.cfg, self.device, self.grad_dtypes = basic, cfg, device, grad_dtypes
-        self.in_backward = in_backward  # the updates may start inside the last backward (the kept rate's key)
         self._done, self._host = given is not None, given
 
     def __call__(self) -> Optional[HostSpec]:
@@ -202,8 +201,7 @@ class HostProbe:
             return HostSpec(capacity, source="assumed: a CPU device", kind=kind)
         try:
             found, error = host_optimizer.measure(self.basic, cfg.host_optimizer, device, capacity,
-                                                  grad_dtypes=self.grad_dtypes, cache_dir=cfg.profile_cache,
-                                                  in_backward=self.in_backward), None
+                                                  grad_dtypes=self.grad_dtypes, cache_dir=cfg.profile_cache), None
         except Exception as e:  # noqa: BLE001 - agreed below: every rank fails (or falls back) together
             found, error = None, str(e) if isinstance(e, LinsConfigError) else f"lins.offload: {type(e).__name__}: {e}"
         error = comm.agree(error)
@@ -268,7 +266,9 @@ def _offload_note(context: SolveContext, plan: Plan) -> str:
     host = context.offload.host
     if not plan.placement.on_host or host is None:
         return ""
-    return (f"\n  offload: host optimizer {host.optimizer}, {host.update_elems_per_s / 1e9:.2f} G elements/s; "
+    inside = (f" ({host.in_backward_update_elems_per_s / 1e9:.2f} inside the last backward)"
+              if plan.host_update_in_backward and host.in_backward_update_elems_per_s else "")
+    return (f"\n  offload: host optimizer {host.optimizer}, {host.update_elems_per_s / 1e9:.2f} G elements/s{inside}; "
             f"copies {host.h2d_gbs:.1f} GB/s up, {host.d2h_gbs:.1f} GB/s down"
             + (f", gradient sums {host.accumulate_elems_per_s / 1e9:.2f} and norms {host.norm_elems_per_s / 1e9:.2f} G "
                "elements/s" if plan.placement.offloads("g") else "")
@@ -417,8 +417,8 @@ def make_plan(facts: LaunchFacts, cfg: LinsConfig, seq_len: int = 0) -> tuple:
     where no GPU-resident plan fits; a fixed offload is its one rung), on the first rung of lins.tiling's that has one
     (``tiling_rungs``, walked by ``plan.sequence.walk``: untiled first)."""
     build = solve_plan if cfg.solve else fixed_plan
-    early = wants_updates_in_backward(facts, cfg)  # a refused lins.host_update_in_backward before anything is timed
-    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), in_backward=early)
+    wants_updates_in_backward(facts, cfg)  # a refused lins.host_update_in_backward before anything is timed
+    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype))
 
     def tiled(mlp: int, logits: int, act) -> tuple:
         def attempt(spec: OffloadSpec) -> tuple:
@@ -505,8 +505,7 @@ def plan_for_length(facts: LaunchFacts, cfg: LinsConfig, context: SolveContext, 
     keeps its layout and checkpointing."""
     context = dataclasses.replace(context, train=dataclasses.replace(context.train, seq_len=seq_len), solution=None)
     inferred = cfg.seq_len is None
-    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), context.offload.host,
-                     context.train.host_update_in_backward)
+    host = HostProbe(facts.optimizer, cfg, facts.device, (facts.accum_dtype, facts.reduce_dtype), context.offload.host)
 
     def tiled(mlp: int, logits: int, act) -> tuple:
         train = sequence.tiled(context.train, mlp, logits, act)

@@ -99,8 +99,8 @@ def fused_blocks(p, g_in, m, v, vmax: Optional[torch.Tensor], up: Optional[torch
     loop = scripted() if not torch.is_tensor(lr) else None
     with _plain():
         (loop or _loop)(p, g_in, m, v, [vmax] if vmax is not None else [], up, scratch, steps, float(coef),
-                        int(block), decoupled, lr if torch.is_tensor(lr) else float(lr), float(beta1), float(beta2),
-                        float(weight_decay), float(eps), bool(amsgrad), bool(maximize))
+                        int(block), bool(decoupled), lr if torch.is_tensor(lr) else float(lr), float(beta1),
+                        float(beta2), float(weight_decay), float(eps), bool(amsgrad), bool(maximize))
 
 
 def _plain():

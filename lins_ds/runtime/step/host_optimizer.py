@@ -27,7 +27,7 @@ from ...plan.host_update import BLOCKS, PIECE, achieved_fraction, bytes_per_elem
 from ...plan.offload import HostSpec
 from ...profiler import host_bandwidth, host_rate
 from ..errors import LinsConfigError
-from .host_blocks import fused_blocks
+from .host_blocks import fused_blocks, scripted
 from .host_memory import HOST_PIECE, SWITCH_INTERVAL_S, host_empty, host_threads, intra_op_threads, square_sum
 
 PREFER_DEEPSPEED = 1.25  # "auto" takes DeepSpeedCPUAdam only this much faster than torch's: it holds the GIL
@@ -146,6 +146,8 @@ class HostOptimizer:
         self.opt.state = basic.state  # one state dict: checkpoints and load_checkpoint see every slice
         self._int_step = ds_cls is not None
         self.path = BLOCKS if ds_cls is None and mode is not None and _fused_kernels() else PIECE
+        if self.path == BLOCKS:
+            scripted()  # compiled here, on the thread that builds the engine, not first in the host worker
         self.threads = host_threads(comm.local_world_size())
         self.block = block_elems(host_bandwidth.last_level_cache_bytes(), comm.local_world_size(), self.threads)
         self._group_of = {p: g for g in self.opt.param_groups for p in g["params"]}
@@ -248,8 +250,7 @@ def update_piece(opt: HostOptimizer, master: torch.Tensor, grad: torch.Tensor, u
 
 
 def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: Optional[int] = None,
-            grad_dtypes: tuple = (torch.bfloat16, torch.bfloat16), cache_dir: Optional[str] = None,
-            in_backward: bool = False) -> tuple:
+            grad_dtypes: tuple = (torch.bfloat16, torch.bfloat16), cache_dir: Optional[str] = None) -> tuple:
     """(HostSpec, host optimizer kind): this host's offload speeds, timed here: the host optimizer's update of
     ``elems`` fp32 elements (a unit's piece; by default ``update_elems()``, more than the last-level cache holds)
     and pinned copies of a bf16 tensor of that size each way. ``kind`` "auto" tries torch's fused Adam and
@@ -259,8 +260,8 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: O
     ``source`` says how close to it the update comes for the bytes its path moves. That choice is timed on an idle
     host; the speeds the planner prices a step with (the update, the gradient sums and norms) are then timed as a step
     runs them: beside the training thread (``beside_training``), on the threads the host updater gives them. Where
-    a run on this host kept its worker's rate in training (``profiler.host_rate``; ``in_backward``: of updates inside
-    the last backward), the update is priced at that instead."""
+    runs on this host kept their workers' rates in training (``profiler.host_rate``: one after the step, one of
+    updates inside the last backward), the update is priced at those instead."""
     elems = elems or update_elems()
     kinds = ["torch", "deepspeed"] if kind == "auto" and adam_mode(basic) is not None else [kind if kind != "auto" else "torch"]
     best = None
@@ -285,13 +286,15 @@ def measure(basic, kind: str, device: torch.device, capacity_gb: float, elems: O
             accumulate = _time_accumulate(device, elems, *grad_dtypes)
     source = (f"measured on {device.type} beside a training-like thread; the update alone {best[0] / 1e9:.2f} G "
               f"elements/s, {bandwidth_note(best[0], best[3], bandwidth, grad_dtypes[0].itemsize)}")
-    kept, path = host_rate.load(cache_dir, host_rate.key(device.type, comm.local_world_size(), best[1], best[4],
-                                                         str(grad_dtypes[0]), in_backward))
-    if kept is not None:  # what the last run's worker on this host ran in training, not the stand-in's timing
-        source = (f"the update at {kept / 1e9:.2f} G elements/s, as the last run on this host ran it in training "
-                  f"({path}); {rate / 1e9:.2f} at start-up, " + source)
-        rate = kept
-    return HostSpec(capacity_gb, rate, h2d, d2h, best[1], source, *accumulate), best[2]
+    kept = {mode: host_rate.load(cache_dir, host_rate.key(device.type, comm.local_world_size(), best[1], best[4],
+                                                          str(grad_dtypes[0]), mode)) for mode in (False, True)}
+    words = [f"{r / 1e9:.2f} G elements/s {'inside the last backward' if mode else 'after the step'} ({path})"
+             for mode, (r, path) in kept.items() if r is not None]
+    if words:  # what the last runs' workers on this host ran in training, not the stand-in's timing
+        source = f"the update as the last runs on this host ran it in training: {'; '.join(words)}; " \
+                 f"{rate / 1e9:.2f} at start-up, " + source
+    return HostSpec(capacity_gb, kept[False][0] or rate, h2d, d2h, best[1], source, *accumulate,
+                    in_backward_update_elems_per_s=kept[True][0]), best[2]
 
 
 STAND_IN = "lins-training-stand-in"  # the stand-in thread's name

@@ -146,7 +146,7 @@ class Planner:
         ctx = self.context
         sol = ctx.solution if ctx is not None else None
         return ((sol.best.offload_s if sol is not None and sol.plan == plan else None),
-                ctx.host_update_rate() if ctx is not None else None)
+                ctx.host_update_rate(plan.host_update_in_backward) if ctx is not None else None)
 
     # --- tuning's start ------------------------------------------------------------------------------------
     def _tune_start(self, plan: Plan, summary: str) -> tuple:
