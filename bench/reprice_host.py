@@ -20,10 +20,11 @@ from lins_ds.plan import ComputeSpec, Topology, TrainingSpec, candidates, load_m
 from lins_ds.plan.offload import HostSpec, Placement, exposed_seconds
 from lins_ds.plan.solver import compute_seconds
 
+from . import host_exposed
+
 OFFLOAD = re.compile(r"offload: host optimizer .*?, ([\d.]+) G elements/s; copies ([\d.]+) GB/s up, ([\d.]+) GB/s "
                      r"down(?:, gradient sums ([\d.]+) and norms ([\d.]+) G elements/s)?")  # sums: G on the host
 COMPUTE = re.compile(r"compute: ([\d.]+) TFLOP/s, [\d.]+ % of ([\d.]+)")
-PREDICTED = re.compile(r"([\d.]+) ms per step not hidden by")
 
 
 def price(run: dict, rate: float) -> float:
@@ -61,10 +62,9 @@ def one(directory: str, name: str, mb: int, gas: int) -> dict:
                host=[float(x) if x is not None else 1e9 for x in host], peak_tflops=float(compute[1]),
                mfu_priced=float(compute[0]) / float(compute[1]))
     start_up, worker = float(host[0]) * 1e9, worker_rate(run)
-    steady = run["host_steps"][run["warmup_steps"]:]
-    waited = statistics.mean(h["waited_s"] for h in steady)
-    return {"run": name, "in_backward": bool(run["plan"].get("host_update_in_backward")), "waited_s": waited,
-            "logged_s": float(PREDICTED.findall(log)[-1]) / 1e3, "start_up_rate": start_up,
+    measured = host_exposed.one(directory, name)  # the steady steps' mean wait and the start-up's logged price
+    return {"run": name, "in_backward": bool(run["plan"].get("host_update_in_backward")),
+            "waited_s": measured["waited_s"], "logged_s": measured["predicted_s"], "start_up_rate": start_up,
             "at_start_up_s": price(run, start_up), "worker_rate": worker, "at_worker_s": price(run, worker)}
 
 

@@ -448,12 +448,19 @@ def exposed_seconds(units: list, placement: Placement, layout: Layout, train: Tr
         ready.append(up)
     if not hides_behind_forward(layout):
         return late + up + behind
-    total = sum(units)
+    return late + forward_waits(units, ready, forward_s) + behind
+
+
+def forward_waits(units: list, ready: list, forward_s: float, start: float = 0.0) -> float:
+    """How much longer than ``forward_s`` the next forward takes from ``start`` (one clock with ``ready``): the
+    resident units' forward first, each of the last ``len(ready)`` units' once its update is there (``ready[i]``);
+    each unit's forward takes its share of the parameters."""
+    total, first = sum(units), len(units) - len(ready)
     per_unit_fwd = [forward_s * n / total for n in units]
-    t = sum(per_unit_fwd[:len(units) - k])  # the resident units' forward runs while the host works
-    for r, fwd in zip(ready, per_unit_fwd[len(units) - k:]):
+    t = start + sum(per_unit_fwd[:first])  # the resident units' forward runs while the host works
+    for r, fwd in zip(ready, per_unit_fwd[first:]):
         t = max(t, r) + fwd
-    return late + max(0.0, t - forward_s) + behind
+    return max(0.0, t - (start + forward_s))
 
 
 def gradient_final_seconds(units: list, backward_s: float) -> list:
@@ -505,9 +512,4 @@ def updated_in_backward(units: list, times: list, forward_s: float, backward_s: 
         left.remove(i)
     if not hides:
         return max(late, up - backward_s)
-    total = sum(units)
-    per_unit_fwd = [forward_s * n / total for n in units]
-    t = backward_s + late + sum(per_unit_fwd[:first])
-    for upd, fwd in zip(done, per_unit_fwd[first:]):
-        t = max(t, upd) + fwd
-    return max(0.0, t - (backward_s + forward_s))
+    return late + forward_waits(units, done, forward_s, backward_s + late)

@@ -337,7 +337,6 @@ class HostUpdater:
                f"{self._error}"
 
 
-
 def timeline(rows: list, backward_end: Optional[float], t0: float) -> dict:
     """The worker's last step unit by unit, in the order it updated them, in ms from its start (the window's last
     backward's start where it updated inside it; else ``step()``): when the unit's gradient was final (inside the
